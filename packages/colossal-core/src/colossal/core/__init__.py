@@ -1,0 +1,43 @@
+"""colossal-core: the foundation every Colossal package stands on.
+
+Accelerator, launch, process-group mesh, coordinator, tracked communication helpers, mixed
+precision, wrapper interfaces, async tensor file IO and logging.
+"""
+
+from colossal.core.__about__ import __version__
+from colossal.core.accelerator import BaseAccelerator, get_accelerator
+from colossal.core.comm import CommError, CommTracker
+from colossal.core.coordinator import DistCoordinator
+from colossal.core.interface import ModelWrapper, OptimizerWrapper
+from colossal.core.launch import (
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+    set_seed,
+)
+from colossal.core.logging import get_dist_logger, get_logger
+from colossal.core.mesh import ProcessGroupMesh
+from colossal.core.precision import DynamicGradScaler, Precision, parse_precision
+
+__all__ = [
+    "BaseAccelerator",
+    "CommError",
+    "CommTracker",
+    "DistCoordinator",
+    "DynamicGradScaler",
+    "ModelWrapper",
+    "OptimizerWrapper",
+    "Precision",
+    "ProcessGroupMesh",
+    "__version__",
+    "get_accelerator",
+    "get_dist_logger",
+    "get_logger",
+    "launch",
+    "launch_from_openmpi",
+    "launch_from_slurm",
+    "launch_from_torch",
+    "parse_precision",
+    "set_seed",
+]

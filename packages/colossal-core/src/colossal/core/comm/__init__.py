@@ -1,0 +1,47 @@
+"""Communication helpers (tracked, with rank-naming errors) and the comm tracker."""
+
+from colossal.core.comm.errors import CommError
+from colossal.core.comm.ops import (
+    CommWork,
+    P2POp,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    all_to_all,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object,
+    group_ranks,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    send,
+)
+from colossal.core.comm.tracker import CommRecord, CommStats, CommTracker
+
+__all__ = [
+    "CommError",
+    "CommRecord",
+    "CommStats",
+    "CommTracker",
+    "CommWork",
+    "P2POp",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object",
+    "group_ranks",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
+]

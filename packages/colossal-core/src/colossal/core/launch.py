@@ -1,0 +1,213 @@
+"""Initializing torch.distributed from arguments or from a launcher's environment."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from colossal.core.accelerator import get_accelerator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Collectives that wait longer than this fail with an error naming the rank (see launch)."""
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    if isinstance(timeout, timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)):
+        value = timedelta(seconds=float(timeout))
+    else:
+        raise TypeError(f"timeout must be seconds or a datetime.timedelta, got {timeout!r}")
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value}")
+    return value
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's, NumPy's (when installed) and torch's random generators."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        np.random.seed(seed % 2**32)
+    get_accelerator().manual_seed(seed)
+
+
+def launch(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Create the default process group and seed every generator.
+
+    Args:
+        rank: Global rank of this process, ``0 <= rank < world_size``.
+        world_size: Number of processes in the job.
+        host: Address of the rank-0 host (the rendezvous TCP store).
+        port: Free port on ``host``.
+        backend: ``torch.distributed`` backend; the accelerator's (nccl on CUDA, gloo on CPU)
+            when ``None``.
+        local_rank: Rank on this node; selects the CUDA device. Defaults to ``rank`` modulo the
+            number of visible devices.
+        seed: Seed for python, numpy and torch (the same on every rank).
+        verbose: Log a line on rank 0 once the group is up.
+        timeout: Seconds (or a ``timedelta``) after which a stuck collective raises instead of
+            waiting forever.
+
+    Raises:
+        ValueError: Inconsistent rank/world size, bad port or timeout.
+        RuntimeError: torch.distributed is already initialized.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    try:
+        port_num = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"port must be an integer, got {port!r}") from None
+    if not 0 < port_num < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port_num}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized; call launch only once per process "
+            "(destroy the old group with torch.distributed.destroy_process_group() first)"
+        )
+    accelerator = get_accelerator()
+    backend = backend or accelerator.communication_backend
+    if accelerator.name != "cpu":
+        count = max(accelerator.device_count(), 1)
+        accelerator.set_device(rank % count if local_rank is None else local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{_format_host(host)}:{port_num}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_as_timedelta(timeout),
+    )
+    set_seed(seed)
+    if verbose and rank == 0:
+        logger.info(
+            "distributed environment ready: world_size=%d backend=%s device=%s",
+            world_size, backend, accelerator.get_current_device(),
+        )
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _read_env(names: Mapping[str, str], launcher: str, hint: str) -> dict[str, str]:
+    missing = [env for env in names.values() if env not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{launcher}: environment variable(s) {', '.join(missing)} not set; {hint}"
+        )
+    return {key: os.environ[env] for key, env in names.items()}
+
+
+def _int_env(values: dict[str, str], key: str, env: str) -> int:
+    try:
+        return int(values[key])
+    except ValueError:
+        raise ValueError(f"environment variable {env}={values[key]!r} is not an integer") from None
+
+
+def launch_from_torch(
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """:func:`launch` with rank, world size and address set by torchrun or ``colossal run``."""
+    names = {
+        "rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
+        "host": "MASTER_ADDR", "port": "MASTER_PORT",
+    }
+    env = _read_env(names, "launch_from_torch",
+                    "start the script with `torchrun` or `colossal run`, or call launch(...)")
+    launch(
+        rank=_int_env(env, "rank", "RANK"),
+        world_size=_int_env(env, "world_size", "WORLD_SIZE"),
+        host=env["host"],
+        port=_int_env(env, "port", "MASTER_PORT"),
+        backend=backend,
+        local_rank=_int_env(env, "local_rank", "LOCAL_RANK"),
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
+    )
+
+
+def launch_from_slurm(
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """:func:`launch` with rank and world size from SLURM (``srun``)."""
+    names = {"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS"}
+    if "SLURM_NPROCS" not in os.environ and "SLURM_NTASKS" in os.environ:
+        names["world_size"] = "SLURM_NTASKS"
+    env = _read_env(names, "launch_from_slurm", "start the script with `srun`")
+    local = os.environ.get("SLURM_LOCALID")
+    launch(
+        rank=_int_env(env, "rank", names["rank"]),
+        world_size=_int_env(env, "world_size", names["world_size"]),
+        host=host, port=port, backend=backend,
+        local_rank=int(local) if local is not None else None,
+        seed=seed, verbose=verbose, timeout=timeout,
+    )
+
+
+def launch_from_openmpi(
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """:func:`launch` with rank, local rank and world size from OpenMPI (``mpirun``)."""
+    names = {
+        "rank": "OMPI_COMM_WORLD_RANK",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE",
+    }
+    env = _read_env(names, "launch_from_openmpi", "start the script with `mpirun`")
+    launch(
+        rank=_int_env(env, "rank", names["rank"]),
+        world_size=_int_env(env, "world_size", names["world_size"]),
+        host=host, port=port, backend=backend,
+        local_rank=_int_env(env, "local_rank", names["local_rank"]),
+        seed=seed, verbose=verbose, timeout=timeout,
+    )
+
+
+def default_timeout() -> timedelta:
+    """Timeout of the default process group (used for groups created later)."""
+    if dist.is_initialized():
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            return backend.options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    return DEFAULT_TIMEOUT

@@ -1,0 +1,190 @@
+"""A named N-dimensional grid of ranks with one process group per line along each axis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from colossal.core.launch import default_timeout
+
+Axis = int | str
+
+
+class ProcessGroupMesh:
+    """Ranks laid out row-major on a grid of ``sizes``; groups along any axis or axes.
+
+    ``ProcessGroupMesh(2, 2, axis_names=("dp", "tp"))`` on 4 ranks puts rank ``r`` at
+    coordinate ``(r // 2, r % 2)``. ``get_group_along_axis("tp")`` returns the group of ranks
+    that differ only in their ``tp`` coordinate. Creating a group is collective, so every rank
+    creates every group along the requested axes, in the same order, and caches them; each
+    rank must therefore ask for the same axes in the same order.
+
+    Args:
+        *sizes: Extent of each axis; their product must equal the world size.
+        axis_names: Optional unique name per axis.
+        backend: Backend for the new groups (the default group's when ``None``).
+        timeout: Timeout for the new groups (the default group's when ``None``).
+
+    Raises:
+        ValueError: Non-positive sizes, a product that is not the world size, or names that
+            do not match the axes.
+    """
+
+    def __init__(
+        self,
+        *sizes: int,
+        axis_names: Sequence[str] | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGroupMesh needs torch.distributed initialized; call launch first")
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"mesh sizes must be positive ints, got {sizes}")
+        world = dist.get_world_size()
+        if math.prod(sizes) != world:
+            raise ValueError(
+                f"mesh sizes {tuple(sizes)} multiply to {math.prod(sizes)}, but the world size "
+                f"is {world}; choose sizes whose product is {world}"
+            )
+        if axis_names is not None:
+            axis_names = tuple(axis_names)
+            if len(axis_names) != len(sizes) or len(set(axis_names)) != len(axis_names):
+                raise ValueError(
+                    f"axis_names {axis_names} must be {len(sizes)} unique names, one per axis of {sizes}"
+                )
+        self._shape = tuple(sizes)
+        self._names = axis_names
+        self._rank = dist.get_rank()
+        self._coord = self.unravel(self._rank, self._shape)
+        self._backend = backend
+        self._timeout = timeout or default_timeout()
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+
+    # ---- geometry ---------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Extent of each axis."""
+        return self._shape
+
+    @property
+    def axis_names(self) -> tuple[str, ...] | None:
+        """Names of the axes, if given."""
+        return self._names
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self._rank
+
+    def axis_index(self, axis: Axis) -> int:
+        """Index of ``axis`` given by index or name.
+
+        Raises:
+            ValueError: Unknown name or out-of-range index.
+        """
+        if isinstance(axis, str):
+            if self._names is None or axis not in self._names:
+                raise ValueError(f"unknown mesh axis {axis!r}; the axes are {self._names or 'unnamed'}")
+            return self._names.index(axis)
+        if not isinstance(axis, int) or not -len(self._shape) <= axis < len(self._shape):
+            raise ValueError(f"mesh axis {axis!r} out of range for a {len(self._shape)}-d mesh")
+        return axis % len(self._shape)
+
+    def size(self, axis: Axis | None = None) -> int | tuple[int, ...]:
+        """Extent of ``axis``, or the whole shape when ``None``."""
+        return self._shape if axis is None else self._shape[self.axis_index(axis)]
+
+    def coordinate(self, axis: Axis | None = None) -> int | tuple[int, ...]:
+        """This rank's coordinate along ``axis``, or all of them when ``None``."""
+        return self._coord if axis is None else self._coord[self.axis_index(axis)]
+
+    @staticmethod
+    def unravel(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+        """Coordinate of ``rank`` in a row-major grid of ``shape``."""
+        coord = []
+        for extent in reversed(shape):
+            coord.append(rank % extent)
+            rank //= extent
+        return tuple(reversed(coord))
+
+    @staticmethod
+    def ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
+        """Rank at ``coord`` in a row-major grid of ``shape``."""
+        rank = 0
+        for c, extent in zip(coord, shape, strict=True):
+            rank = rank * extent + c
+        return rank
+
+    def _axes(self, axis: Axis | Sequence[Axis]) -> tuple[int, ...]:
+        axes = (axis,) if isinstance(axis, (int, str)) else tuple(axis)
+        idx = tuple(self.axis_index(a) for a in axes)
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"axes {axes} repeat an axis")
+        return idx
+
+    def ranks_along_axis(self, axis: Axis | Sequence[Axis], coord: Sequence[int] | None = None) -> list[int]:
+        """Ranks sharing ``coord`` (this rank's by default) on every axis except ``axis``."""
+        axes = self._axes(axis)
+        base = list(self._coord if coord is None else coord)
+        ranks = []
+        for values in itertools.product(*(range(self._shape[a]) for a in axes)):
+            for a, v in zip(axes, values, strict=True):
+                base[a] = v
+            ranks.append(self.ravel(base, self._shape))
+        return sorted(ranks)
+
+    def all_groups_along_axis(self, axis: Axis | Sequence[Axis]) -> list[list[int]]:
+        """Every group of ranks along ``axis``, in a deterministic order."""
+        axes = self._axes(axis)
+        others = [a for a in range(len(self._shape)) if a not in axes]
+        groups = []
+        for values in itertools.product(*(range(self._shape[a]) for a in others)):
+            coord = [0] * len(self._shape)
+            for a, v in zip(others, values, strict=True):
+                coord[a] = v
+            groups.append(self.ranks_along_axis(axes, coord))
+        return groups
+
+    # ---- groups -------------------------------------------------------------------------
+    def get_group(self, ranks: Sequence[int]) -> ProcessGroup:
+        """The cached group of ``ranks``, created collectively if new (all ranks must call)."""
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            group = dist.new_group(list(key), backend=self._backend, timeout=self._timeout)
+            self._groups[key] = group
+        return self._groups[key]
+
+    def get_group_along_axis(self, axis: Axis | Sequence[Axis]) -> ProcessGroup:
+        """This rank's group along ``axis`` (a name, an index, or several of them).
+
+        Every rank must call this for the same axes in the same order, because it creates
+        (once, then caches) every group along those axes.
+        """
+        mine: ProcessGroup | None = None
+        for ranks in self.all_groups_along_axis(axis):
+            group = self.get_group(ranks)
+            if self._rank in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
+    def get_ranks_in_group(self, group: ProcessGroup) -> list[int]:
+        """Global ranks of ``group``."""
+        return dist.get_process_group_ranks(group)
+
+    def destroy(self) -> None:
+        """Destroy the groups this mesh created."""
+        for group in self._groups.values():
+            if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                dist.destroy_process_group(group)
+        self._groups.clear()
+
+    def __repr__(self) -> str:
+        names = f", axis_names={self._names}" if self._names else ""
+        return f"ProcessGroupMesh{self._shape}{names}"

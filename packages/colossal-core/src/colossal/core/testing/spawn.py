@@ -1,0 +1,186 @@
+"""Run a function on N gloo processes and fail fast, with the failing rank's traceback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal.core.launch import launch
+
+_PORT_IN_USE_MARKERS = ("EADDRINUSE", "address already in use", "Address already in use")
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died or hung while running a spawned function."""
+
+
+class _PortInUse(DistributedTestError):
+    pass
+
+
+def free_port() -> int:
+    """A TCP port that was free on localhost a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    results: Any,
+    comm_timeout: float,
+    backend: str,
+) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    ok = False
+    try:
+        launch(rank, world_size, "127.0.0.1", port, backend=backend, timeout=comm_timeout, verbose=False)
+        value = fn(rank, world_size, *args, **kwargs)
+        dist.barrier()
+        results.put(("ok", rank, value))
+        ok = True
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the job is over either way
+                pass
+    if not ok:
+        os._exit(1)
+
+
+def _terminate(procs: Sequence[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _spawn_once(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any], kwargs: Mapping[str, Any],
+    timeout: float, comm_timeout: float, backend: str,
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, fn, tuple(args), dict(kwargs), results, comm_timeout, backend),
+            name=f"colossal-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size:
+            try:
+                kind, rank, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                _check_dead(procs, values, results)
+                if time.monotonic() > deadline:
+                    waiting = [r for r in range(world_size) if r not in values]
+                    raise DistributedTestError(
+                        f"{getattr(fn, '__name__', fn)} timed out after {timeout:.0f} s at world size "
+                        f"{world_size}; ranks {waiting} had not finished"
+                    ) from None
+                continue
+            if kind == "error":
+                exc = _PortInUse if any(m in payload for m in _PORT_IN_USE_MARKERS) else DistributedTestError
+                raise exc(
+                    f"rank {rank} of {world_size} failed in {getattr(fn, '__name__', fn)}:\n{payload}"
+                )
+            values[rank] = payload
+    finally:
+        _terminate(procs)
+        results.close()
+    return [values[r] for r in range(world_size)]
+
+
+def _check_dead(procs: Sequence[mp.process.BaseProcess], values: dict[int, Any], results: Any) -> None:
+    for rank, p in enumerate(procs):
+        if rank in values or p.exitcode is None or p.exitcode == 0:
+            continue
+        # Its report may still be in flight: give the queue a moment before blaming the exit.
+        try:
+            kind, r, payload = results.get(timeout=1.0)
+        except queue_mod.Empty:
+            code = p.exitcode
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise DistributedTestError(
+                f"rank {rank} of {len(procs)} died ({how}) without reporting an error"
+            ) from None
+        results.put((kind, r, payload))
+        return
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    timeout: float = 300.0,
+    comm_timeout: float = 120.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
+
+    Each process gets ``torch.set_num_threads(1)``, the torchrun environment variables and a
+    default process group (``launch`` on a free localhost port). When one rank raises or dies,
+    the others are stopped at once and the failing rank's traceback is raised here. A port
+    that turned out to be taken is retried once on another port.
+
+    Args:
+        fn: A module-level (picklable) function.
+        world_size: Number of processes.
+        args: Extra positional arguments for ``fn`` (picklable).
+        kwargs: Extra keyword arguments for ``fn`` (picklable).
+        timeout: Seconds the whole run may take before it is stopped and reported.
+        comm_timeout: Timeout of every collective inside the run.
+        backend: torch.distributed backend.
+
+    Returns:
+        ``fn``'s return value on each rank, in rank order (values must be picklable).
+
+    Raises:
+        DistributedTestError: A rank raised (its traceback is in the message), died, or the
+            run exceeded ``timeout``.
+        ValueError: ``world_size`` is not a positive int.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    kwargs = kwargs or {}
+    try:
+        return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)
+    except _PortInUse:
+        return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)

@@ -27,8 +27,9 @@ from colossal.core.comm import (
 from colossal.core.testing import distributed_test
 
 
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "auto"])
 @distributed_test(1, 2, 4)
-def test_collectives_values_and_bytes(rank: int, world_size: int) -> None:
+def test_collectives_values_and_bytes(rank: int, world_size: int, algorithm: str) -> None:
     world = tuple(range(world_size))
     n = 6
     with CommTracker() as tracker:
@@ -38,13 +39,13 @@ def test_collectives_values_and_bytes(rank: int, world_size: int) -> None:
 
         full = torch.arange(n * world_size, dtype=torch.float32) + rank
         out = torch.empty(n)
-        reduce_scatter(out, full)
+        reduce_scatter(out, full, algorithm=algorithm)
         expected = world_size * torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + sum(range(world_size))
         assert torch.equal(out, expected)
 
         mine = torch.full((n,), float(rank), dtype=torch.bfloat16)
         gathered = torch.empty(n * world_size, dtype=torch.bfloat16)
-        all_gather(gathered, mine)
+        all_gather(gathered, mine, algorithm=algorithm)
         assert torch.equal(gathered, torch.arange(world_size).repeat_interleave(n).to(torch.bfloat16))
 
         b = torch.full((3,), float(rank), dtype=torch.float64)
@@ -146,3 +147,31 @@ def test_helpers_need_initialized_dist() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="launch"):
         all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@distributed_test(2, 4)
+def test_async_and_in_place_gather(rank: int, world_size: int, algorithm: str) -> None:
+    n = 5
+    # ZeRO-style: the local shard is a view into the gathered buffer at this rank's slot.
+    flat = torch.full((n * world_size,), -1.0)
+    shard = flat[rank * n : (rank + 1) * n]
+    shard.copy_(torch.arange(n, dtype=torch.float32) + 10 * rank)
+    work = all_gather(flat, shard, async_op=True, algorithm=algorithm)
+    assert work is not None
+    work.wait()
+    expected = torch.cat([torch.arange(n, dtype=torch.float32) + 10 * r for r in range(world_size)])
+    assert torch.equal(flat, expected)
+    # Shard overlapping the output somewhere else than its own slot is still right.
+    other = torch.zeros(n * world_size)
+    other[:n] = float(rank + 1)
+    all_gather(other, other[:n], algorithm=algorithm)
+    assert torch.equal(other, torch.arange(1, world_size + 1).repeat_interleave(n).float())
+    grads = torch.ones(n * world_size) * (rank + 1)
+    out = torch.empty(n)
+    work = reduce_scatter(out, grads, async_op=True, algorithm=algorithm)
+    assert work is not None
+    work.wait()
+    assert torch.equal(out, torch.full((n,), float(sum(range(1, world_size + 1)))))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        all_gather(flat, shard, algorithm="ring")

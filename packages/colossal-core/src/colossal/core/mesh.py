@@ -187,4 +187,4 @@ class ProcessGroupMesh:
 
     def __repr__(self) -> str:
         names = f", axis_names={self._names}" if self._names else ""
-        return f"ProcessGroupMesh{self._shape}{names}"
+        return f"ProcessGroupMesh({', '.join(map(str, self._shape))}{names})"

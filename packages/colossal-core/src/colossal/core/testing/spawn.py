@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -55,7 +56,9 @@ def _worker(
         launch(rank, world_size, "127.0.0.1", port, backend=backend, timeout=comm_timeout, verbose=False)
         value = fn(rank, world_size, *args, **kwargs)
         dist.barrier()
-        results.put(("ok", rank, value))
+        # Plain pickle: torch's multiprocessing reducers would share tensors through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(value)))
         ok = True
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put(("error", rank, traceback.format_exc()))
@@ -66,6 +69,9 @@ def _worker(
             except Exception:  # noqa: BLE001 - the job is over either way
                 pass
     if not ok:
+        # os._exit skips the queue's feeder thread: flush the report first.
+        results.close()
+        results.join_thread()
         os._exit(1)
 
 
@@ -128,7 +134,7 @@ def _spawn_once(
                 raise exc(
                     f"rank {rank} of {world_size} failed in {getattr(fn, '__name__', fn)}:\n{payload}"
                 )
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)
     finally:
         _terminate(procs)
         results.close()

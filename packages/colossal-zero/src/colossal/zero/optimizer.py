@@ -1,0 +1,377 @@
+"""LowLevelZeroOptimizer: ZeRO stage 1 and 2 around any elementwise torch optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from colossal.core import DynamicGradScaler, OptimizerWrapper
+from colossal.core.comm import CommWork, all_gather, broadcast, group_ranks
+from colossal.core.precision import Precision
+from colossal.zero.config import ZeroConfig
+from colossal.zero.grad_norm import global_norm, local_norm_term
+from colossal.zero.layout import Bucket, GroupLayout, plan_layout
+from colossal.zero.memory import MemoryReport
+from colossal.zero.reducer import GradReducer
+from colossal.zero.state_dict import gather_state_dict, scatter_state_dict
+
+logger = logging.getLogger(__name__)
+
+
+class LowLevelZeroOptimizer(OptimizerWrapper):
+    """Shards optimizer states (stage 1) and gradients (stage 2) over a data-parallel group.
+
+    Replace ``DDP(model)`` + ``optimizer`` in a training script with the bare model and
+    ``LowLevelZeroOptimizer(optimizer)``, then call ``optimizer.backward(loss)`` instead of
+    ``loss.backward()``. Each rank keeps full working parameters (views into one flat buffer
+    per param group), an fp32 master copy and the optimizer states of its own slice only.
+    The precision follows the parameters' dtype: fp32, bf16, or fp16 with dynamic loss scaling.
+
+    Gradients are averaged over the group as with DDP. The wrapped optimizer must be
+    elementwise (SGD, Adam, AdamW, ...): it sees flat slices, not the original shapes.
+
+    Args:
+        optimizer: The optimizer over the model's parameters (its state must be empty).
+        partition_grad: Stage 2 (gradients sharded too) when True; stage 1 otherwise.
+        dp_process_group: The data-parallel group (the whole job when None).
+        initial_scale: fp16 loss scaler: initial scale.
+        min_scale: fp16 loss scaler: smallest scale.
+        growth_factor: fp16 loss scaler: growth multiplier.
+        backoff_factor: fp16 loss scaler: backoff multiplier.
+        growth_interval: fp16 loss scaler: clean steps between growths.
+        hysteresis: fp16 loss scaler: overflows tolerated before a backoff.
+        max_scale: fp16 loss scaler: largest scale.
+        clip_grad_norm: Clip gradients to this global norm at every step (0 disables).
+        norm_type: Norm used for clipping and :meth:`get_grad_norm`.
+        reduce_bucket_size: Elements per gradient bucket.
+        communication_dtype: dtype gradients are reduced in (the parameters' by default).
+        overlap_communication: Reduce full buckets asynchronously during backward.
+        cpu_offload: Keep master weights, their gradients and optimizer states on the CPU.
+        master_weights: Keep fp32 master weights for fp16/bf16 parameters.
+        tp_process_group: Extra group the gradient norm is summed over (tensor parallel).
+        pp_process_group: Extra group the gradient norm is summed over (pipeline stages).
+        verbose: Log overflows and scale changes at INFO level.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: mixed parameter dtypes or devices, an unsupported dtype, an optimizer
+            with state, or invalid settings.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        partition_grad: bool = False,
+        dp_process_group: dist.ProcessGroup | None = None,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        clip_grad_norm: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_bucket_size: int = 12 * 1024**2,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        tp_process_group: dist.ProcessGroup | None = None,
+        pp_process_group: dist.ProcessGroup | None = None,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__(optimizer)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "LowLevelZeroOptimizer needs torch.distributed initialized (torchrun + "
+                "colossal.core.launch_from_torch() or torch.distributed.init_process_group)"
+            )
+        self.config = ZeroConfig(
+            partition_grad=bool(partition_grad), clip_grad_norm=float(clip_grad_norm),
+            norm_type=float(norm_type), reduce_bucket_size=reduce_bucket_size,
+            communication_dtype=communication_dtype, overlap_communication=overlap_communication,
+            cpu_offload=cpu_offload, master_weights=master_weights,
+        )
+        self.dp_group = dp_process_group
+        self._dp_ranks = group_ranks(dp_process_group)
+        self.world_size = len(self._dp_ranks)
+        self.rank = self._dp_ranks.index(dist.get_rank())
+        self._norm_groups = [dp_process_group] + [g for g in (tp_process_group, pp_process_group) if g is not None]
+        self._verbose = verbose
+
+        members, self._all_params = self._collect_params(optimizer)
+        self._group_sizes = [len(g["params"]) for g in optimizer.param_groups]
+        trainable = [p for g in members for _, p in g]
+        self.precision, self.device = self._check_params(trainable)
+        self.scaler = (
+            DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor,
+                              growth_interval, hysteresis, max_scale)
+            if self.precision is Precision.FP16 else None
+        )
+        self.layouts, self.buckets = plan_layout(members, self.world_size, self.config.reduce_bucket_size)
+        self.flat_params = self._build_flat_params(self.layouts)
+        self.masters, self._master_is_view = self._build_masters()
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [self.masters[b.order] for b in self.layouts[g].buckets]
+        comm_dtype = self.config.communication_dtype or self.precision.dtype
+        self.reducer = GradReducer(
+            self.layouts, self.buckets, self.config.partition_grad, dp_process_group,
+            self.world_size, self.rank, comm_dtype, self._master_dtype, self._master_device,
+            self.device, self.config.overlap_communication,
+        )
+        self._hooks = [
+            slot.param.register_post_accumulate_grad_hook(
+                functools.partial(_grad_hook, self.reducer, bucket, slot)
+            )
+            for bucket in self.buckets for slot in bucket.slots
+        ]
+        self._grad_norm: float | None = None
+        self._pending_clip: float | None = None
+
+    # ---- construction ----------------------------------------------------------------------
+    @staticmethod
+    def _collect_params(optimizer: Optimizer) -> tuple[list[list[tuple[int, torch.Tensor]]], list[torch.Tensor]]:
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer already has state; wrap it in LowLevelZeroOptimizer before its "
+                "first step and restore checkpoints through LowLevelZeroOptimizer.load_state_dict"
+            )
+        members: list[list[tuple[int, torch.Tensor]]] = []
+        all_params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            trainable = []
+            for p in group["params"]:  # torch already refuses a parameter in two groups
+                if p.requires_grad:
+                    trainable.append((len(all_params), p))
+                all_params.append(p)
+            members.append(trainable)
+        return members, all_params
+
+    @staticmethod
+    def _check_params(params: Sequence[torch.Tensor]) -> tuple[Precision, torch.device]:
+        if not params:
+            raise ValueError("the optimizer has no trainable parameters (all have requires_grad=False)")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; cast the model "
+                "to one of float32, float16, bfloat16 first (e.g. model.to(torch.bfloat16))"
+            )
+        if len(devices) > 1:
+            raise ValueError(f"trainable parameters are on several devices {sorted(map(str, devices))}")
+        return Precision.from_dtype(dtypes.pop()), devices.pop()
+
+    def _build_flat_params(self, layouts: Sequence[GroupLayout]) -> list[torch.Tensor]:
+        flats = []
+        src = self._dp_ranks[0]
+        for layout in layouts:
+            flat = torch.zeros(layout.numel, dtype=self.precision.dtype, device=self.device)
+            with torch.no_grad():
+                for slot in layout.slots:
+                    flat[slot.offset : slot.end].copy_(slot.param.detach().reshape(-1))
+                # Start from identical weights on every rank, as DDP does.
+                if self.world_size > 1 and layout.numel:
+                    broadcast(flat, src=src, group=self.dp_group)
+                for slot in layout.slots:
+                    slot.param.data = flat[slot.offset : slot.end].view_as(slot.param)
+            flats.append(flat)
+        return flats
+
+    @property
+    def _master_device(self) -> torch.device:
+        return torch.device("cpu") if self.config.cpu_offload else self.device
+
+    @property
+    def _master_dtype(self) -> torch.dtype:
+        if self.precision is Precision.FP32 or not self.config.master_weights:
+            return self.precision.dtype
+        return torch.float32
+
+    def _build_masters(self) -> tuple[list[torch.Tensor], bool]:
+        as_view = self._master_dtype == self.precision.dtype and self._master_device == self.device
+        masters = []
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_range(self.rank, self.world_size)
+            shard = self.flat_params[bucket.group][lo:hi].detach()
+            if not as_view:
+                shard = shard.to(device=self._master_device, dtype=self._master_dtype, copy=True)
+            masters.append(shard)
+        return masters, as_view
+
+    # ---- backward --------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Back-propagate ``loss`` (scaled under fp16) and reduce the gradients."""
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss.float())
+        loss.backward(retain_graph=retain_graph)
+        self._after_backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, retain_graph: bool = False) -> None:
+        """Back-propagate from ``tensor`` with gradient ``grad`` (e.g. a pipeline stage)."""
+        if self.scaler is not None:
+            grad = grad * self.scaler.scale
+        torch.autograd.backward(tensor, grad, retain_graph=retain_graph)
+        self._after_backward()
+
+    def _after_backward(self) -> None:
+        self.reducer.flush()
+        self._grad_norm = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication (stage 1 only).
+
+        Raises:
+            RuntimeError: under stage 2, whose gradient slices only exist after a reduction;
+                there, accumulate with plain ``backward`` calls (each one reduces).
+        """
+        if self.config.partition_grad:
+            raise RuntimeError(
+                "no_sync() needs full local gradients, which stage 2 (partition_grad=True) does "
+                "not keep; use stage 1 for communication-free accumulation, or call backward() "
+                "for every micro-batch under stage 2 (each call reduces its gradients)"
+            )
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    # ---- norm and clipping -------------------------------------------------------------------
+    def _compute_norm(self) -> float:
+        self.reducer.ensure_reduced()
+        if self._grad_norm is None:
+            term = local_norm_term((self.reducer.shard_grad(b) for b in self.buckets), self.config.norm_type)
+            raw = global_norm(term, self.config.norm_type, self._norm_groups)
+            self._grad_norm = raw / (self.world_size * self.loss_scale)
+        return self._grad_norm
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float | None = None) -> float:
+        """Clip the gradients of the coming step to ``max_norm``; return their global norm.
+
+        The clip is applied inside :meth:`step`, in the same pass that unscales gradients.
+        Collective: every rank of the group must call it.
+        """
+        if norm_type is not None and norm_type != self.config.norm_type:
+            raise ValueError(
+                f"norm_type={norm_type} differs from the optimizer's norm_type={self.config.norm_type}; "
+                "set norm_type when creating LowLevelZeroOptimizer"
+            )
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._pending_clip = float(max_norm)
+        return self._compute_norm()
+
+    def get_grad_norm(self, norm_type: float | None = None) -> float | None:
+        """Global norm of the (unscaled, averaged) gradients of the last step, if any."""
+        return self._grad_norm
+
+    # ---- step --------------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> None:
+        """Unscale and clip the gradient slices in one pass, step, then all-gather parameters.
+
+        Under fp16 a step whose gradients overflowed on any rank is skipped on every rank
+        and the loss scale backs off.
+        """
+        if closure is not None:
+            raise ValueError("LowLevelZeroOptimizer.step does not take a closure")
+        norm = self._compute_norm()
+        overflow = not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            if self.scaler is None:
+                raise FloatingPointError(f"gradient norm is {norm} without fp16 loss scaling; check the loss")
+            (logger.info if self._verbose else logger.debug)(
+                "gradient overflow: step skipped, loss scale now %g", self.scaler.scale
+            )
+            self._finish_step()
+            return
+        factor = 1.0 / (self.world_size * self.loss_scale)
+        max_norm = self._pending_clip or self.config.clip_grad_norm
+        if max_norm > 0 and norm > max_norm:
+            factor *= max_norm / (norm + 1e-6)
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            master.grad = self._master_grad(bucket, master, factor)
+        self.optim.step()
+        self._gather_params()
+        self._finish_step()
+
+    def _master_grad(self, bucket: Bucket, master: torch.Tensor, factor: float) -> torch.Tensor:
+        shard = self.reducer.shard_grad(bucket)
+        if shard.dtype == master.dtype and shard.device == master.device:
+            return shard.mul_(factor)
+        return shard.to(device=master.device, dtype=master.dtype).mul_(factor)
+
+    def _gather_params(self) -> None:
+        works: list[CommWork | None] = []
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, self.masters, strict=True):
+                flat = self.flat_params[bucket.group]
+                lo, hi = bucket.shard_range(self.rank, self.world_size)
+                if not self._master_is_view:
+                    flat[lo:hi].copy_(master)
+                if self.world_size > 1:
+                    region = flat[bucket.start : bucket.start + bucket.size]
+                    works.append(all_gather(region, flat[lo:hi], group=self.dp_group, async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def _finish_step(self) -> None:
+        for master in self.masters:
+            master.grad = None
+        self.reducer.reset()
+        self._pending_clip = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (working, bucketed and master)."""
+        self.reducer.reset()
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.grad = None
+        for master in self.masters:
+            master.grad = None
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Full, unpadded per-parameter states keyed by parameter index (collective).
+
+        World-size agnostic: load it at any data-parallel size. Under fp16/bf16 with master
+        weights the fp32 masters are included as the ``"master_param"`` state.
+        """
+        return gather_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, at any data-parallel size."""
+        scatter_state_dict(self, state_dict)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds in working params, grads, master params and optimizer states."""
+        return MemoryReport.collect(self)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the model's parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _grad_hook(reducer: GradReducer, bucket: Bucket, slot: Any, _param: torch.Tensor) -> None:
+    reducer.on_grad(bucket, slot)

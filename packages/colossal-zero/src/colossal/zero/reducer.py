@@ -1,0 +1,248 @@
+"""Gradient buckets: filled by post-accumulate-grad hooks, reduced in a fixed global order.
+
+Stage 1 keeps a full flat gradient buffer per group and all-reduces each bucket of it in
+place; stage 2 copies gradients into a short-lived bucket buffer, reduce-scatters it and keeps
+only this rank's slice. A bucket's collective is started (asynchronously, when overlapping) as
+soon as all of its gradients have arrived and every earlier bucket has been started; whatever
+remains is started when backward ends, with zeros for parameters that got no gradient, so every
+rank issues the same collectives in the same order whatever its graph used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from colossal.core.comm import CommWork, all_reduce, reduce_scatter
+from colossal.zero.layout import Bucket, GroupLayout, ParamSlot
+
+
+@dataclass
+class _BucketState:
+    """What happened to one bucket in the current backward and the current step window."""
+
+    arrived: set[int] = field(default_factory=set)  # slots with a grad in this backward
+    written: set[int] = field(default_factory=set)  # slots with a grad since the last step
+    reduced: int = 0  # reductions since the last step
+    cleared: bool = False  # stage 1: other ranks' slices zeroed for a re-reduction
+    launched: bool = False  # started in this backward
+    buffer: torch.Tensor | None = None  # stage 2 bucket buffer
+
+
+class GradReducer:
+    """Moves gradients from parameters into buckets and reduces them across the DP group.
+
+    Args:
+        layouts: Per-group layouts from :func:`~colossal.zero.layout.plan_layout`.
+        buckets: Every bucket in the global collective order.
+        partition_grad: Stage 2 (reduce-scatter, keep a slice) when True, else stage 1.
+        group: Data-parallel process group.
+        world_size: Size of ``group``.
+        rank: This process's rank within ``group``.
+        comm_dtype: dtype gradients are reduced in.
+        shard_dtype: dtype of the gradient slices handed to the optimizer (stage 2).
+        shard_device: device of those slices.
+        overlap: Start collectives during backward (else all at its end, synchronously).
+    """
+
+    def __init__(
+        self,
+        layouts: Sequence[GroupLayout],
+        buckets: Sequence[Bucket],
+        partition_grad: bool,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
+        comm_dtype: torch.dtype,
+        shard_dtype: torch.dtype,
+        shard_device: torch.device,
+        device: torch.device,
+        overlap: bool,
+    ) -> None:
+        self.layouts = list(layouts)
+        self.buckets = list(buckets)
+        self.partition_grad = partition_grad
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.comm_dtype = comm_dtype
+        self.shard_dtype = shard_dtype
+        self.shard_device = shard_device
+        self.overlap = overlap
+        self.sync = True
+        self._states = [_BucketState() for _ in self.buckets]
+        self._next = 0
+        self._pending: list[tuple[CommWork | None, Callable[[], None] | None]] = []
+        # Stage 1: one persistent gradient buffer per group. Stage 2: slices per bucket.
+        self.flat_grads: list[torch.Tensor | None] = [
+            None if partition_grad else torch.zeros(lay.numel, dtype=comm_dtype, device=device)
+            for lay in self.layouts
+        ]
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._device = device
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def on_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Take ``slot.param.grad`` into its bucket and free it (called by the grad hook)."""
+        grad = slot.param.grad
+        if grad is None:
+            return
+        state = self._states[bucket.order]
+        target = self._region(bucket, slot, state)
+        src = grad.reshape(-1)
+        if slot.index in state.written and not self.partition_grad or slot.index in state.arrived:
+            target.add_(src)
+        else:
+            target.copy_(src)
+        state.written.add(slot.index)
+        state.arrived.add(slot.index)
+        slot.param.grad = None
+        if self.sync and self.overlap and len(state.arrived) == len(bucket.slots):
+            self._launch_ready()
+
+    def _region(self, bucket: Bucket, slot: ParamSlot, state: _BucketState) -> torch.Tensor:
+        if self.partition_grad:
+            if state.buffer is None:
+                state.buffer = torch.empty(bucket.size, dtype=self.comm_dtype, device=self._device)
+            lo = slot.offset - bucket.start
+            return state.buffer[lo : lo + slot.numel]
+        if state.reduced and not state.cleared:
+            self._clear_others(bucket, state)
+        flat = self.flat_grads[bucket.group]
+        assert flat is not None
+        return flat[slot.offset : slot.end]
+
+    def _clear_others(self, bucket: Bucket, state: _BucketState) -> None:
+        """Stage 1 re-reduction: keep the reduced sum only in this rank's own slice.
+
+        After a reduction every rank holds the same sum; summing it again would count it
+        ``W`` times. Zeroing everything but the owner's slice makes the next all-reduce add
+        the new local gradients to exactly one copy of the old sum.
+        """
+        flat = self.flat_grads[bucket.group]
+        assert flat is not None
+        lo, hi = bucket.shard_range(self.rank, self.world_size)
+        flat[bucket.start : lo].zero_()
+        flat[hi : bucket.start + bucket.size].zero_()
+        state.cleared = True
+
+    # ---- launching -------------------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if len(self._states[bucket.order].arrived) < len(bucket.slots):
+                return
+            self._launch(bucket, async_op=True)
+
+    def _fill_missing(self, bucket: Bucket, state: _BucketState) -> None:
+        """Zero the regions of parameters that got no gradient, and the padding."""
+        if self.partition_grad:
+            if state.buffer is None:
+                state.buffer = torch.empty(bucket.size, dtype=self.comm_dtype, device=self._device)
+            buf, base, missing = state.buffer, bucket.start, state.arrived
+        else:
+            if state.reduced and not state.cleared:
+                self._clear_others(bucket, state)
+            flat = self.flat_grads[bucket.group]
+            assert flat is not None
+            buf, base, missing = flat, 0, state.written
+        for slot in bucket.slots:
+            if slot.index not in missing:
+                buf[slot.offset - base : slot.end - base].zero_()
+        if self.partition_grad:
+            buf[bucket.used :].zero_()
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        state = self._states[bucket.order]
+        self._fill_missing(bucket, state)
+        if self.partition_grad:
+            buf = state.buffer
+            assert buf is not None
+            out = torch.empty(bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device)
+            work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
+            post: Callable[[], None] | None = self._accumulate_shard(bucket, state, out)
+        else:
+            flat = self.flat_grads[bucket.group]
+            assert flat is not None
+            region = flat[bucket.start : bucket.start + bucket.size]
+            work = all_reduce(region, group=self.group, async_op=async_op)
+            post = None
+        state.launched = True
+        state.reduced += 1
+        state.cleared = False
+        self._pending.append((work, post))
+        self._next = bucket.order + 1
+
+    def _accumulate_shard(self, bucket: Bucket, state: _BucketState, out: torch.Tensor) -> Callable[[], None]:
+        def post() -> None:
+            state.buffer = None
+            shard = out.to(device=self.shard_device, dtype=self.shard_dtype)
+            current = self.grad_shards[bucket.order]
+            self.grad_shards[bucket.order] = shard if current is None else current.add_(shard)
+
+        return post
+
+    def flush(self) -> None:
+        """End of a backward: start every bucket not yet started (in order) and wait for all."""
+        if self.sync:
+            for bucket in self.buckets[self._next :]:
+                self._launch(bucket, async_op=self.overlap)
+            self.wait()
+        for state in self._states:
+            state.arrived.clear()
+            state.launched = False
+        self._next = 0
+
+    def wait(self) -> None:
+        """Wait for started collectives and file their results."""
+        pending, self._pending = self._pending, []
+        for work, post in pending:
+            if work is not None:
+                work.wait()
+            if post is not None:
+                post()
+
+    def ensure_reduced(self) -> None:
+        """Before a step: reduce buckets that were not reduced since the last step.
+
+        Covers a step after ``no_sync`` backwards only, or a rank whose backward never ran;
+        every rank reaches the same decision because every rank flushes every bucket.
+        """
+        if any(s.reduced == 0 for s in self._states):
+            previous, self.sync = self.sync, True
+            try:
+                for bucket in self.buckets:
+                    if self._states[bucket.order].reduced == 0:
+                        self._launch(bucket, async_op=self.overlap)
+                self.wait()
+            finally:
+                self.sync = previous
+                self._next = 0
+
+    # ---- results ---------------------------------------------------------------------------
+    def shard_grad(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced (summed, still scaled) gradient slice of ``bucket``."""
+        if self.partition_grad:
+            shard = self.grad_shards[bucket.order]
+            assert shard is not None, "bucket was never reduced"
+            return shard
+        flat = self.flat_grads[bucket.group]
+        assert flat is not None
+        lo, hi = bucket.shard_range(self.rank, self.world_size)
+        return flat[lo:hi]
+
+    def reset(self) -> None:
+        """Forget all gradients (zero_grad / after a step)."""
+        self.wait()
+        self._states = [_BucketState() for _ in self.buckets]
+        self.grad_shards = [None] * len(self.buckets)
+        self._next = 0
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now."""
+        total = sum(t.numel() * t.element_size() for t in self.flat_grads if t is not None)
+        total += sum(t.numel() * t.element_size() for t in self.grad_shards if t is not None)
+        return total

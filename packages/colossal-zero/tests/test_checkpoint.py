@@ -1,0 +1,86 @@
+"""state_dict is world-size agnostic: save at world 2, resume at 4 and at 1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from colossal.core.testing import distributed_test, relative_error, spawn
+from colossal.zero import LowLevelZeroOptimizer
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
+
+FIRST, SECOND = 3, 3
+
+
+def _train(model: torch.nn.Module, opt: LowLevelZeroOptimizer, steps: range, rank: int, world_size: int) -> None:
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)))
+        opt.step()
+
+
+def _save(rank: int, world_size: int, path: str, stage: int) -> None:
+    model = make_model()
+    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=64)
+    _train(model, opt, range(FIRST), rank, world_size)
+    state = opt.state_dict()  # collective: every rank takes part
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": state}, path)
+
+
+def _resume(rank: int, world_size: int, path: str, stage: int) -> dict[str, torch.Tensor]:
+    saved = torch.load(path, weights_only=False)
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=40)
+    opt.load_state_dict(saved["optim"])
+    _train(model, opt, range(FIRST, FIRST + SECOND), rank, world_size)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_save_at_2_resume_at_4_and_1(tmp_path: os.PathLike, stage: int) -> None:
+    path = os.path.join(tmp_path, "ckpt.pt")
+    spawn(_save, 2, args=(path, stage))
+    _, ref = reference(FIRST + SECOND)
+    for world in (4, 1):
+        resumed = spawn(_resume, world, args=(path, stage))
+        for name, value in ref.state_dict().items():
+            for r, params in enumerate(resumed):
+                err = relative_error(params[name], value)
+                assert err <= 1e-5, f"world {world} rank {r} {name}: relative error {err:.2e}"
+
+
+@distributed_test(2)
+def test_state_dict_is_full_and_unpadded(rank: int, world_size: int) -> None:
+    model = make_model(torch.bfloat16)
+    opt = LowLevelZeroOptimizer(make_optimizer(model), reduce_bucket_size=64)
+    _train(model, opt, range(1), rank, world_size)
+    sd = opt.state_dict()
+    # Indices follow the optimizer's groups: weights first, then biases.
+    named = list(model.named_parameters())
+    params = [p for n, p in named if n.endswith("weight")] + [p for n, p in named if n.endswith("bias")]
+    assert sorted(sd["state"]) == list(range(len(params)))
+    for i, p in enumerate(params):
+        entry = sd["state"][i]
+        assert entry["exp_avg"].shape == p.shape and entry["exp_avg_sq"].shape == p.shape
+        assert entry["master_param"].dtype == torch.float32
+        assert torch.equal(entry["master_param"].to(torch.bfloat16), p.detach())
+    assert [len(g["params"]) for g in sd["param_groups"]] == [4, 4]
+    assert sd["param_groups"][1]["weight_decay"] == 0.0
+
+
+@distributed_test(2)
+def test_loading_another_models_state_is_refused(rank: int, world_size: int) -> None:
+    model = make_model()
+    opt = LowLevelZeroOptimizer(make_optimizer(model))
+    _train(model, opt, range(1), rank, world_size)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 has shape \(3, 3\)"):
+        opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match="1 param groups, this optimizer has 2"):
+        opt.load_state_dict({"state": {}, "param_groups": sd["param_groups"][:1]})

@@ -1,0 +1,161 @@
+"""ZeRO-1/2 against torch DDP, ZeroRedundancyOptimizer and FSDP2, side by side in one run.
+
+For each configuration and world size it trains a GPT-style model on gloo CPU processes
+(one thread each) and reports the step time, the per-rank model-state memory (parameters,
+gradients, master weights and optimizer states held after backward) and both as ratios to
+DDP; the ZeRO rows are also checked against the ZeRO paper's memory formula.
+
+    python benchmarks/zero.py [--quick] [--worlds 2 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench_common import goal, markdown_table, write_json
+from bench_gpt import GPT, GPTConfig, lm_loss, num_params, random_batch
+from colossal.core.testing import spawn
+
+CONFIGS = ("ddp", "zero_redundancy", "fsdp2", "colossal_zero1", "colossal_zero2")
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    if hasattr(t, "to_local"):  # DTensor: only the local shard lives here
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _torch_model_state(model: nn.Module, optim: Any) -> int:
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(_tensor_bytes(p) + _tensor_bytes(p.grad) for p in params)
+    inner = getattr(optim, "optim", optim)  # ZeroRedundancyOptimizer keeps its shard's optimizer
+    for state in inner.state.values():
+        total += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _build(config: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    """(forward module, optimizer, object with backward/step/memory) for ``config``."""
+    adam = {"lr": 1e-4, "weight_decay": 0.01}
+    if config in ("ddp", "zero_redundancy"):
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        if config == "ddp":
+            return ddp, torch.optim.AdamW(model.parameters(), **adam), None
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adam), None
+    if config == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        return model, torch.optim.AdamW(model.parameters(), **adam), None
+    from colossal.zero import LowLevelZeroOptimizer
+
+    zero = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), **adam),
+                                 partition_grad=config.endswith("2"))
+    return model, zero, zero
+
+
+def _run(rank: int, world_size: int, config: str, size: str, batch: int, steps: int) -> dict[str, Any]:
+    cfg = GPTConfig.preset(size)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    psi = num_params(model)
+    module, optim, zero = _build(config, model)
+    times, memory = [], 0
+    for step in range(steps + 1):  # step 0 warms up (allocates optimizer states)
+        data = random_batch(cfg, batch, seed=1000 * step + rank)
+        dist.barrier()
+        start = time.perf_counter()
+        optim.zero_grad()
+        loss = lm_loss(module, data)
+        if zero is not None:
+            zero.backward(loss)
+            memory = zero.memory_report().total
+        else:
+            loss.backward()
+            memory = _torch_model_state(model, optim)
+        optim.step()
+        elapsed = time.perf_counter() - start
+        if step:
+            times.append(elapsed)
+    return {"step_s": statistics.mean(times), "memory": memory, "params": psi, "loss": float(loss)}
+
+
+def _formula(config: str, psi: int, world: int) -> float | None:
+    """ZeRO paper model-state bytes for fp32 training with Adam (no separate master copy)."""
+    if config == "colossal_zero1":
+        return 4 * psi + 4 * psi + 8 * psi / world
+    if config == "colossal_zero2":
+        return 4 * psi + (4 * psi + 8 * psi) / world
+    return None
+
+
+def main() -> None:
+    """Run every configuration at every world size, print the table, check the goals."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model, world 2, 2 steps")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--model-size", default=None, choices=["tiny", "small", "medium"])
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    worlds = args.worlds or ([2] if args.quick else [2, 4])
+    size = args.model_size or ("small" if args.quick else "medium")
+    steps = args.steps or (2 if args.quick else 3)
+
+    rows: list[dict[str, Any]] = []
+    goals: list[dict[str, Any]] = []
+    for world in worlds:
+        base = None
+        for config in args.configs:
+            print(f"world {world}: {config} ...", file=sys.stderr, flush=True)
+            try:
+                results = spawn(_run, world, args=(config, size, args.batch_size, steps), timeout=1800)
+            except Exception as exc:  # noqa: BLE001 - a failed row must not stop the others
+                rows.append({"world": world, "config": config, "status": f"failed: {str(exc)[:120]}"})
+                continue
+            step = max(r["step_s"] for r in results)
+            memory = max(r["memory"] for r in results)
+            psi = results[0]["params"]
+            row = {"world": world, "config": config, "params_M": psi / 1e6, "step_ms": step * 1e3,
+                   "model_state_MB": memory / 2**20, "status": "ok"}
+            if config == "ddp":
+                base = row
+            if base is not None:
+                row["time_vs_ddp"] = step * 1e3 / base["step_ms"]
+                row["memory_vs_ddp"] = memory / 2**20 / base["model_state_MB"]
+            expected = _formula(config, psi, world)
+            if expected is not None:
+                row["memory_vs_formula"] = memory / expected
+                goals.append(goal(f"{config} memory within 5% of formula (world {world})",
+                                  row["memory_vs_formula"], "0.95..1.05", abs(row["memory_vs_formula"] - 1) <= 0.05))
+                if "time_vs_ddp" in row:
+                    target = 0.97 if config.endswith("1") else 1.05
+                    goals.append(goal(f"{config} step time vs DDP (world {world})", row["time_vs_ddp"],
+                                      f"<= {target}", row["time_vs_ddp"] <= target))
+            rows.append(row)
+    columns = ["world", "config", "params_M", "step_ms", "time_vs_ddp", "model_state_MB",
+               "memory_vs_ddp", "memory_vs_formula", "status"]
+    print(markdown_table(rows, columns))
+    print()
+    print(markdown_table(goals, ["name", "value", "target", "met"]))
+    write_json(args.json, "zero", rows, goals)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Nox sessions of the Colossal monorepo: per-package tests, integration, lint, layering.
+
+``python3 -m nox`` runs every session; ``python3 -m nox -l`` lists them. Sessions:
+
+* ``lint``: ``ruff check`` over the repository (pinned ruff).
+* ``layering``: ``tools/check_layering.py`` on the repository and its own tests.
+* ``tests(package='<dist>')``: one per ``packages/<dist>/pyproject.toml``. Fresh virtualenv,
+  ``torch==2.13.0`` first, then wheels of the package and of the sibling ``colossal*``
+  distributions it needs (built from this checkout, installed by path, never fetched from an
+  index), its ``test`` extra and pytest; checks the installed import, then runs
+  ``packages/<dist>/tests`` from outside the source tree so the installed wheel is tested.
+* ``integration``: every package's wheel installed together, pytest on ``integration-tests/``.
+
+Extra arguments after ``--`` go to pytest, e.g.
+``python3 -m nox -s "tests(package='colossal-core')" -- -x -k mesh``.
+JUnit XML results go to ``.ci-results/`` (``layering.xml``, ``tests-<dist>.xml``,
+``integration.xml``); ``tools/summarize_junit.py`` sums them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself depends on tomli before Python 3.11
+    import tomli as tomllib
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "virtualenv"  # nox's default; pip installs, no uv
+nox.options.reuse_existing_virtualenvs = False  # every run starts from fresh virtualenvs
+nox.options.error_on_external_run = True
+
+REPO = Path(__file__).resolve().parent
+PACKAGES_DIR = REPO / "packages"
+RESULTS_DIR = REPO / ".ci-results"
+CONSTRAINTS = REPO / "constraints.txt"
+DEV_REQUIREMENTS = REPO / "requirements-dev.txt"  # plain pins, also used as a constraints file
+INTEGRATION_DIR = REPO / "integration-tests"
+TORCH = "torch==2.13.0"  # also pinned in constraints.txt; always installed first, explicitly
+
+# Distribution name -> the import it is checked by. Default: "colossal-x-y" -> "colossal.x_y".
+IMPORT_NAMES = {"colossal": "colossal.booster"}
+# Modules that importing a distribution's packages must not pull in (DESIGN.md: plugins load
+# their heavy dependencies only when used).
+MUST_STAY_UNIMPORTED = {
+    "colossal": ("colossal.gemini", "colossal.shardformer", "transformers"),
+}
+# Pytest exit code when it collected no tests.
+PYTEST_NO_TESTS = 5
+
+
+@dataclass(frozen=True)
+class Package:
+    """What the sessions need from one ``packages/<dist>/pyproject.toml``."""
+
+    dist: str  # canonical distribution name == its directory name under packages/
+    path: Path
+    dependencies: tuple[Requirement, ...] = ()
+    test_requirements: tuple[Requirement, ...] = ()
+    build_requires: tuple[str, ...] = ()
+    problem: str | None = None  # why the pyproject cannot be used (reported by its sessions)
+
+    @property
+    def siblings(self) -> tuple[str, ...]:
+        """Canonical names of the sibling distributions it depends on (directly)."""
+        return tuple(_sibling_names(self.dependencies))
+
+    @property
+    def import_names(self) -> tuple[str, ...]:
+        """Modules to import to check the installed wheel (each shipped subpackage)."""
+        names = {IMPORT_NAMES.get(self.dist, _default_import_name(self.dist))}
+        namespace = self.path / "src" / "colossal"
+        if namespace.is_dir():
+            names.update(
+                f"colossal.{d.name}"
+                for d in namespace.iterdir()
+                if d.is_dir() and (d / "__init__.py").is_file()
+            )
+        return tuple(sorted(names))
+
+
+def _default_import_name(dist: str) -> str:
+    return "colossal." + dist.removeprefix("colossal-").replace("-", "_")
+
+
+def _is_sibling(req: Requirement) -> bool:
+    """A requirement on a distribution of this repository (``colossal``, ``colossal-*``)."""
+    name = canonicalize_name(req.name)
+    return name == "colossal" or name.startswith("colossal-")
+
+
+def _sibling_names(reqs: tuple[Requirement, ...]) -> list[str]:
+    return [canonicalize_name(r.name) for r in reqs if _is_sibling(r)]
+
+
+def _load_package(pyproject: Path) -> Package:
+    """Read one pyproject; problems are recorded, not raised, so other sessions still run."""
+    directory = pyproject.parent
+    where = pyproject.relative_to(REPO)
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        project = data.get("project", {})
+        name = project.get("name")
+        if not name or canonicalize_name(name) != directory.name:
+            return Package(
+                directory.name,
+                directory,
+                problem=f"{where}: project.name {name!r} must be the directory name "
+                f"{directory.name!r}",
+            )
+        if "dependencies" in project.get("dynamic", []):
+            return Package(
+                directory.name,
+                directory,
+                problem=f"{where}: dynamic dependencies are not supported; list them in "
+                "project.dependencies",
+            )
+        extras = project.get("optional-dependencies", {})
+        return Package(
+            dist=directory.name,
+            path=directory,
+            dependencies=tuple(Requirement(r) for r in project.get("dependencies", [])),
+            test_requirements=tuple(Requirement(r) for r in extras.get("test", [])),
+            build_requires=tuple(data.get("build-system", {}).get("requires", ["hatchling"])),
+        )
+    except (OSError, ValueError) as exc:  # TOMLDecodeError and InvalidRequirement included
+        return Package(directory.name, directory, problem=f"{where}: {exc}")
+
+
+@cache
+def discover_packages() -> dict[str, Package]:
+    """Every ``packages/*/pyproject.toml``, by distribution (= directory) name."""
+    found = (_load_package(p) for p in sorted(PACKAGES_DIR.glob("*/pyproject.toml")))
+    return {pkg.dist: pkg for pkg in found}
+
+
+def sibling_closure(session: nox.Session, roots: list[str]) -> list[str]:
+    """The given distributions plus every sibling they need, transitively, in stable order."""
+    packages = discover_packages()
+    order: list[str] = []
+    pending = list(roots)
+    while pending:
+        dist = pending.pop(0)
+        if dist in order:
+            continue
+        if dist not in packages:
+            needed_by = [p.dist for p in packages.values() if dist in p.siblings]
+            session.error(
+                f"{dist!r} (needed by {', '.join(needed_by) or 'this session'}) is a colossal "
+                f"package, but there is no {PACKAGES_DIR.relative_to(REPO)}/{dist}/pyproject.toml"
+            )
+        problem = packages[dist].problem
+        if problem is not None:
+            session.error(problem)
+        order.append(dist)
+        pending.extend(packages[dist].siblings)
+    return order
+
+
+def _work_dir(session: nox.Session, name: str) -> Path:
+    """An empty directory inside the session's virtualenv dir (``TMPDIR`` is left alone)."""
+    path = Path(session.virtualenv.location) / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _junit_path(name: str) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    return RESULTS_DIR / f"{name}.xml"
+
+
+def _session_env(session: nox.Session) -> None:
+    session.env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+    session.env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    session.env["PIP_NO_INPUT"] = "1"
+    session.env["PYTHONDONTWRITEBYTECODE"] = "1"  # keep the source tree free of __pycache__
+
+
+def _install_torch(session: nox.Session) -> None:
+    """Install the pinned torch before anything else can pull in another build."""
+    session.install("-c", str(CONSTRAINTS), "--only-binary", "torch", TORCH)
+    session.run(
+        "python",
+        "-c",
+        "import torch; v = torch.__version__; print('torch', v);"
+        f" assert v.split('+')[0] == {TORCH.split('==')[1]!r}, v",
+    )
+
+
+def _build_wheels(session: nox.Session, dists: list[str]) -> dict[str, Path]:
+    """Build one wheel per distribution into the session's temp dir; returns dist -> wheel."""
+    packages = discover_packages()
+    build_requires = sorted({r for d in dists for r in packages[d].build_requires})
+    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), *build_requires)
+    wheel_dir = _work_dir(session, "wheels")
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--wheel-dir",
+        str(wheel_dir),
+        *(str(packages[d].path) for d in dists),
+    )
+    wheels: dict[str, Path] = {}
+    for wheel in wheel_dir.glob("*.whl"):
+        wheels[canonicalize_name(parse_wheel_filename(wheel.name)[0])] = wheel
+    missing = sorted(set(dists) - set(wheels))
+    if missing:
+        session.error(f"no wheel was built for {', '.join(missing)} in {wheel_dir}")
+    return wheels
+
+
+def _install_wheels(
+    session: nox.Session, wheels: dict[str, Path], extra_requirements: list[Requirement]
+) -> None:
+    """Install the local wheels by path together with the other requirements, in one go.
+
+    A requirement on a sibling (``colossal*``) is satisfied by its local wheel; extras asked
+    for it are attached to the wheel path.
+    """
+    sibling_extras: dict[str, set[str]] = {}
+    others: list[str] = []
+    for req in extra_requirements:
+        if _is_sibling(req):
+            sibling_extras.setdefault(canonicalize_name(req.name), set()).update(req.extras)
+        else:
+            others.append(str(req))
+    args = []
+    for dist, wheel in sorted(wheels.items()):
+        extras = sorted(sibling_extras.get(dist, ()))
+        args.append(f"{wheel}[{','.join(extras)}]" if extras else str(wheel))
+    session.install(
+        "-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), *args, *others, "pytest"
+    )
+
+
+def _check_imports(session: nox.Session, modules: list[str], forbidden: tuple[str, ...]) -> None:
+    """Import the installed packages from an empty directory; they must come from the venv."""
+    code = "\n".join(
+        [
+            "import importlib, sys",
+            f"modules = {modules!r}",
+            "for name in modules:",
+            "    mod = importlib.import_module(name)",
+            "    where = mod.__file__ or ''",
+            "    assert 'site-packages' in where, f'{name} imported from {where}, not the venv'",
+            "    print('imported', name, 'from', where)",
+            "import colossal",
+            "assert getattr(colossal, '__file__', None) is None, (",
+            "    f'colossal must be a PEP 420 namespace, but {colossal.__file__} exists')",
+            f"bad = [m for m in {list(forbidden)!r} if m in sys.modules]",
+            "assert not bad, f'importing {modules} also imported {bad} (must load lazily)'",
+        ]
+    )
+    with session.chdir(_work_dir(session, "import-check")):
+        session.run("python", "-c", code)
+
+
+def _run_pytest(
+    session: nox.Session, target: Path, junit_name: str, success_codes: tuple[int, ...] = (0,)
+) -> Path:
+    """Run pytest on ``target`` from an empty directory; returns the JUnit XML path.
+
+    The working directory is outside the source tree, so only the installed wheels provide
+    ``colossal.*``. pytest's default ``prepend`` import mode puts the tests directory itself on
+    ``sys.path``, which spawned worker processes need to re-import test modules by name.
+    """
+    junit = _junit_path(junit_name)
+    junit.unlink(missing_ok=True)
+    with session.chdir(_work_dir(session, "pytest-cwd")):
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            str(target),
+            f"--junitxml={junit}",
+            "-o",
+            f"junit_suite_name={junit_name}",
+            "-p",
+            "no:cacheprovider",
+            "-ra",
+            *session.posargs,
+            success_codes=list(success_codes),
+        )
+    return junit
+
+
+def _collected_no_tests(junit: Path) -> bool:
+    if not junit.is_file():
+        return True
+    try:
+        return not any(True for _ in ET.parse(junit).getroot().iter("testcase"))
+    except ET.ParseError:
+        return False
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff over the whole repository (config in the root pyproject.toml)."""
+    _session_env(session)
+    session.install("-c", str(DEV_REQUIREMENTS), "ruff")
+    session.run("ruff", "--version")
+    session.run("ruff", "check", str(REPO), *session.posargs)
+
+
+@nox.session
+def layering(session: nox.Session) -> None:
+    """The import layering check (DESIGN.md table) and the checker's own tests."""
+    _session_env(session)
+    session.install("-c", str(DEV_REQUIREMENTS), "pytest")
+    session.run("python", str(REPO / "tools" / "check_layering.py"), "--root", str(REPO))
+    _run_pytest(session, REPO / "tools" / "tests", "layering")
+
+
+@nox.session
+@nox.parametrize("package", sorted(discover_packages()))
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests against its installed wheel (and its sibling wheels)."""
+    _session_env(session)
+    pkg = discover_packages()[package]
+    tests_dir = pkg.path / "tests"
+    if not tests_dir.is_dir():
+        session.error(f"{tests_dir.relative_to(REPO)} does not exist: every package has tests")
+    dists = sibling_closure(session, [package, *_sibling_names(pkg.test_requirements)])
+    _install_torch(session)
+    session.log(f"building wheels: {', '.join(dists)}")
+    wheels = _build_wheels(session, dists)
+    _install_wheels(session, wheels, list(pkg.test_requirements))
+    _check_imports(session, list(pkg.import_names), MUST_STAY_UNIMPORTED.get(package, ()))
+    _run_pytest(session, tests_dir, f"tests-{package}")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """End-to-end tests with every package installed together (the meta-package included)."""
+    _session_env(session)
+    packages = discover_packages()
+    dists = sibling_closure(session, sorted(packages))
+    _install_torch(session)
+    wheels = _build_wheels(session, dists)
+    test_requirements = [r for p in packages.values() for r in p.test_requirements]
+    _install_wheels(session, wheels, test_requirements)
+    requirements_txt = INTEGRATION_DIR / "requirements.txt"
+    if requirements_txt.is_file():
+        session.install("-c", str(CONSTRAINTS), "-r", str(requirements_txt))
+    session.run("python", "-m", "pip", "check")
+    modules = sorted({m for p in packages.values() for m in p.import_names})
+    _check_imports(session, modules, ())
+    rel = INTEGRATION_DIR.relative_to(REPO)
+    if not INTEGRATION_DIR.is_dir():
+        session.log(
+            f"NOTE: {rel}/ does not exist yet: all packages install and import together, but "
+            "there are no integration tests to run."
+        )
+        return
+    has_test_files = any(INTEGRATION_DIR.rglob("test_*.py")) or any(
+        INTEGRATION_DIR.rglob("*_test.py")
+    )
+    # Only while integration-tests/ holds no test files, "no tests collected" is a success.
+    codes = (0,) if has_test_files else (0, PYTEST_NO_TESTS)
+    junit = _run_pytest(session, INTEGRATION_DIR, "integration", success_codes=codes)
+    if not has_test_files and _collected_no_tests(junit):
+        session.log(
+            f"NOTE: {rel}/ has no test files yet, so pytest collected nothing (exit "
+            f"{PYTEST_NO_TESTS}); accepted in the integration session only."
+        )

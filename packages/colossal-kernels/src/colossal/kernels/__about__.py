@@ -1,0 +1,3 @@
+"""Version of colossal-kernels."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,67 @@
+"""colossal-kernels: fused optimizers, norms and attention behind a kernel registry.
+
+* :class:`CPUAdam`, :class:`FusedAdam`, :class:`HybridAdam`: Adam/AdamW with
+  ``step(div_scale=...)``, fp16/bf16 working copies written in the same pass, and NVMe
+  offload of optimizer state.
+* :class:`FusedLayerNorm`, :class:`FusedRMSNorm` (+ functions and :func:`replace_norms`).
+* :func:`attention` with :class:`AttentionMask` / :func:`make_attention_mask`.
+* :data:`REGISTRY`, :func:`kernel_report`, :func:`format_kernel_report`: which
+  implementation each kernel uses and why.
+
+Nothing is compiled or imported from optional packages at import time.
+"""
+
+from colossal.kernels.__about__ import __version__
+from colossal.kernels._builtin import register_builtin
+from colossal.kernels.attention import (
+    AttentionMask,
+    AttnMaskType,
+    attention,
+    eager_attention,
+    make_attention_mask,
+)
+from colossal.kernels.norm import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    fused_layer_norm,
+    fused_rms_norm,
+    replace_norms,
+)
+from colossal.kernels.optim import AdamHyper, CPUAdam, FusedAdam, HybridAdam, torch_adam_step
+from colossal.kernels.registry import (
+    REGISTRY,
+    Availability,
+    KernelImpl,
+    KernelRegistry,
+    KernelStatus,
+    format_kernel_report,
+    kernel_report,
+)
+
+register_builtin()
+
+__all__ = [
+    "REGISTRY",
+    "AdamHyper",
+    "AttentionMask",
+    "AttnMaskType",
+    "Availability",
+    "CPUAdam",
+    "FusedAdam",
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "HybridAdam",
+    "KernelImpl",
+    "KernelRegistry",
+    "KernelStatus",
+    "__version__",
+    "attention",
+    "eager_attention",
+    "format_kernel_report",
+    "fused_layer_norm",
+    "fused_rms_norm",
+    "kernel_report",
+    "make_attention_mask",
+    "replace_norms",
+    "torch_adam_step",
+]

@@ -1,0 +1,208 @@
+"""Optimizer state kept in files, read ahead and written back by a background thread.
+
+Each offloaded parameter has one file holding its ``exp_avg`` and ``exp_avg_sq`` back to back
+(fp32). During a step, :class:`StatePipeline` reads the states of the next few offloaded
+params into a small ring of reusable buffers while the current one updates, and writes each
+updated state back as soon as its update is done. One IO thread executes reads and writes in
+submission order, so a buffer is never refilled before its previous contents are written out
+and a file is never read before its last write finished.
+
+The files live in a fresh temporary directory that is removed by :meth:`NVMeStateStore.close`,
+when the store is garbage-collected, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from colossal.core.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy, no numpy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _read_file(path: str, out: torch.Tensor) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        out.zero_()
+        return
+    view = _view(out)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], done)
+            if not got:
+                raise OSError(f"{path} is truncated: read {done} of {len(view)} bytes")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, src: torch.Tensor) -> None:
+    # Overwrite in place (no O_TRUNC): rewriting cached pages is much cheaper than freeing
+    # and reallocating them every step. The size never changes for a given key.
+    view = _view(src)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.pwritev(fd, [view[done:]], done)
+    finally:
+        os.close(fd)
+
+
+def _cleanup(directory: str, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    executor.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class NVMeStateStore:
+    """Files holding offloaded optimizer states, with asynchronous reads and writes.
+
+    Args:
+        directory: Parent directory of the temporary directory (``None``: the system temp
+            directory). Created if missing.
+
+    Raises:
+        ValueError: ``directory`` exists and is not a directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        if directory is not None:
+            directory = os.fspath(directory)
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise ValueError(
+                    f"nvme_offload_dir={directory!r} is not a directory; pass a directory on "
+                    "the fast local disk (or None for the system temp directory)"
+                )
+            os.makedirs(directory, exist_ok=True)
+        self.directory = tempfile.mkdtemp(prefix="colossal-nvme-", dir=directory)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="colossal-nvme"
+        )
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._buffers: list[torch.Tensor] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._executor)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the files are gone)."""
+        return self._closed
+
+    def path(self, key: int) -> str:
+        """File holding the states with key ``key``."""
+        return os.path.join(self.directory, f"state-{key}.bin")
+
+    def _submit(self, fn: object, *args: object) -> concurrent.futures.Future[None]:
+        if self._closed:
+            raise RuntimeError("the NVMe state store is closed; its files were removed")
+        future = self._executor.submit(fn, *args)  # type: ignore[arg-type]
+        self._pending = [f for f in self._pending if not f.done() or f.exception()]
+        self._pending.append(future)
+        return future
+
+    def read_async(self, key: int, out: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Fill ``out`` from the file of ``key`` (zeros if never written) in the background."""
+        return self._submit(_read_file, self.path(key), out)
+
+    def write_async(self, key: int, src: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Write ``src`` to the file of ``key`` in the background."""
+        return self._submit(_write_file, self.path(key), src)
+
+    def read(self, key: int, numel: int) -> torch.Tensor:
+        """A new fp32 tensor of ``numel`` elements with the contents of ``key``'s file."""
+        out = torch.empty(numel, dtype=torch.float32)
+        self.read_async(key, out).result()
+        return out
+
+    def write(self, key: int, src: torch.Tensor) -> None:
+        """Write ``src`` (contiguous CPU) to ``key``'s file and wait for it."""
+        self.write_async(key, src.contiguous()).result()
+
+    def buffers(self, numel: int, count: int) -> list[torch.Tensor]:
+        """``count`` reusable fp32 buffers of at least ``numel`` elements."""
+        if len(self._buffers) < count or self._buffers[0].numel() < numel:
+            self.flush()
+            self._buffers = [torch.empty(numel, dtype=torch.float32) for _ in range(count)]
+        return self._buffers[:count]
+
+    def flush(self) -> None:
+        """Wait for every queued read and write; re-raise the first IO error."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Wait for queued IO (errors are logged), then delete the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for future in self._pending:
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                logger.warning("NVMe state IO failed while closing: %s", exc)
+        self._pending = []
+        self._buffers = []
+        self._finalizer()
+
+
+class StatePipeline:
+    """Streams the offloaded states of one step through a ring of buffers.
+
+    Reads for the first ``depth`` items are queued on construction, so they overlap whatever
+    the caller computes before iterating. Iterating yields ``(index, exp_avg, exp_avg_sq)``
+    with the item's states loaded; when the caller asks for the next item, the previous one's
+    states are queued for writing and the read ``depth`` items ahead is queued.
+
+    Args:
+        store: The store holding the files.
+        items: ``(key, numel)`` per offloaded param, in update order.
+        depth: Number of buffers (reads in flight).
+        before_wait: Called with ``i`` before waiting for item ``i``'s read (the caller
+            interleaves in-memory updates there so they overlap the IO).
+    """
+
+    def __init__(self, store: NVMeStateStore, items: Sequence[tuple[int, int]],
+                 depth: int = 3, before_wait: Callable[[int], None] | None = None) -> None:
+        self.store = store
+        self.before_wait = before_wait
+        self.items = list(items)
+        self.depth = max(1, min(depth, len(self.items)))
+        largest = max((n for _, n in self.items), default=0)
+        self._slots = store.buffers(2 * largest, self.depth) if self.items else []
+        self._reads: dict[int, concurrent.futures.Future[None]] = {}
+        for i in range(self.depth):
+            self._queue_read(i)
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        return self._slots[i % self.depth][: 2 * self.items[i][1]]
+
+    def _queue_read(self, i: int) -> None:
+        if i < len(self.items):
+            self._reads[i] = self.store.read_async(self.items[i][0], self._buffer(i))
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for i, (key, numel) in enumerate(self.items):
+            if self.before_wait is not None:
+                self.before_wait(i)  # in-memory work that overlaps the read
+            self._reads.pop(i).result()
+            buf = self._buffer(i)
+            yield i, buf[:numel], buf[numel:]
+            self.store.write_async(key, buf)
+            self._queue_read(i + self.depth)

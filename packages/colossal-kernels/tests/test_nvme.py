@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from colossal.kernels import REGISTRY, CPUAdam, HybridAdam
+
+SIZES = [5000, 1200, 7000, 300, 2500, 4000]
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(10 + step)
+    return [torch.randn(n, generator=g).bfloat16() for n in SIZES]
+
+
+def _files(opt):
+    if opt._store is None or opt._store.closed:
+        return []
+    opt._store.flush()  # writes are asynchronous
+    return sorted(os.listdir(opt._store.directory))
+
+
+@pytest.mark.parametrize("impl", ["cpp", "torch"])
+@pytest.mark.parametrize("cls", [CPUAdam, HybridAdam])
+def test_offload_is_bit_identical(tmp_path, impl, cls):
+    plain, off = _params(), _params()
+    o1 = cls(plain, lr=1e-2, weight_decay=0.1)
+    o2 = cls(off, lr=1e-2, weight_decay=0.1, nvme_offload_fraction=0.5,
+             nvme_offload_dir=str(tmp_path))
+    copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in off]
+    o2.attach_working_params(dict(zip(off, copies, strict=False)))
+    with REGISTRY.force("cpu_adam", impl):
+        for step in range(5):
+            grads = _grads(step)
+            o1.step(div_scale=4.0, grads=dict(zip(plain, grads, strict=False)))
+            o2.step(div_scale=4.0, grads=dict(zip(off, grads, strict=False)))
+    offloaded = o2.offloaded_params
+    numel = sum(p.numel() for p in offloaded)
+    assert 0.3 * sum(SIZES) <= numel <= 0.7 * sum(SIZES)
+    for p in offloaded:
+        assert "exp_avg" not in o2.state[p]  # really not in memory
+    assert len(_files(o2)) == len(offloaded)
+    for a, b, c in zip(plain, off, copies, strict=False):
+        assert torch.equal(a, b)
+        assert torch.equal(c, b.detach().bfloat16())
+    sd1, sd2 = o1.state_dict(), o2.state_dict()
+    for i in sd1["state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd1["state"][i][key], sd2["state"][i][key])
+        assert sd1["state"][i]["step"] == sd2["state"][i]["step"] == 5
+    directory = o2._store.directory
+    o2.close()
+    assert not os.path.exists(directory)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        o2.step(grads=dict(zip(off, _grads(0), strict=False)))
+
+
+def test_offloaded_state_dict_loads_back(tmp_path):
+    src, dst, ref = _params(), _params(), _params()
+    o_src = CPUAdam(src, lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    o_ref = CPUAdam(ref, lr=1e-2)
+    for step in range(2):
+        o_src.step(grads=dict(zip(src, _grads(step), strict=False)))
+        o_ref.step(grads=dict(zip(ref, _grads(step), strict=False)))
+    sd = o_src.state_dict()
+    with torch.no_grad():
+        for d, s in zip(dst, src, strict=False):
+            d.copy_(s)
+    o_dst = CPUAdam(dst, lr=1e-2, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    o_dst.load_state_dict(sd)
+    for step in range(2, 4):
+        o_dst.step(grads=dict(zip(dst, _grads(step), strict=False)))
+        o_ref.step(grads=dict(zip(ref, _grads(step), strict=False)))
+    for a, b in zip(dst, ref, strict=False):
+        assert torch.equal(a, b)
+    o_src.close()
+    o_dst.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_files_removed_after_error(tmp_path, monkeypatch):
+    params = _params()
+    opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    opt.step(grads=dict(zip(params, _grads(0), strict=False)))
+    assert _files(opt)
+    calls = {"n": 0}
+    real = opt._kernel_for
+
+    def flaky(device):
+        fn = real(device)
+
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:  # fail inside the offload pipeline
+                raise RuntimeError("kernel blew up")
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(opt, "_kernel_for", flaky)
+    with pytest.raises(RuntimeError, match="kernel blew up"):
+        opt.step(grads=dict(zip(params, _grads(1), strict=False)))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="removed after an error"):
+        opt.step(grads=dict(zip(params, _grads(2), strict=False)))
+
+
+def test_files_removed_at_interpreter_exit(tmp_path):
+    code = textwrap.dedent(f"""
+        import torch
+        from colossal.kernels import CPUAdam
+        p = torch.nn.Parameter(torch.randn(1000))
+        p.grad = torch.randn(1000)
+        opt = CPUAdam([p], nvme_offload_fraction=1.0, nvme_offload_dir={str(tmp_path)!r})
+        opt.step()
+        assert len(__import__("os").listdir({str(tmp_path)!r})) == 1
+        KEEP = opt   # still alive at exit
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_offload_dir(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        CPUAdam([torch.nn.Parameter(torch.ones(2))], nvme_offload_fraction=0.5,
+                nvme_offload_dir=str(f))

@@ -1,0 +1,370 @@
+"""Tests of tools/check_layering.py on small synthetic repositories and on the real one."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1]
+REPO = TOOLS.parent
+SCRIPT = TOOLS / "check_layering.py"
+
+
+def _load_checker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_layering", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+checker = _load_checker()
+
+# A clean miniature of the monorepo: every package imports only what DESIGN.md allows.
+CLEAN_TREE: dict[str, str] = {
+    "packages/colossal-core/src/colossal/core/__init__.py": """
+        from colossal.core.__about__ import __version__
+        from .mesh import ProcessGroupMesh
+        from . import _impl
+    """,
+    "packages/colossal-core/src/colossal/core/__about__.py": '__version__ = "0.1.0"\n',
+    "packages/colossal-core/src/colossal/core/mesh.py": "class ProcessGroupMesh: ...\n",
+    "packages/colossal-core/src/colossal/core/_impl.py": "X = 1\n",
+    "packages/colossal-core/tests/test_core.py": """
+        import torch
+        from colossal.core import ProcessGroupMesh
+        from colossal.core._impl import X
+    """,
+    "packages/colossal-kernels/src/colossal/kernels/__init__.py": """
+        from colossal.core import ProcessGroupMesh
+        from colossal.core.__about__ import __version__ as core_version
+    """,
+    "packages/colossal-kernels/src/colossal/kernels/_impl.py": "Y = 1\n",
+    "packages/colossal-zero/src/colossal/zero/__init__.py": """
+        import colossal.core
+        from colossal import core
+        from ._impl import LowLevelZeroOptimizer
+    """,
+    "packages/colossal-zero/src/colossal/zero/_impl.py": "class LowLevelZeroOptimizer: ...\n",
+    "packages/colossal-zero/src/colossal/zero/sub/__init__.py": "from .. import _impl\n",
+    "packages/colossal-zero/tests/test_zero.py": """
+        from colossal.core import ProcessGroupMesh
+        from colossal.zero._impl import LowLevelZeroOptimizer
+    """,
+    "packages/colossal-pipeline/src/colossal/pipeline/__init__.py": "import colossal.core.mesh\n",
+    "packages/colossal-gemini/src/colossal/gemini/__init__.py": """
+        from colossal.core import ProcessGroupMesh
+        from colossal.kernels import something
+    """,
+    "packages/colossal-shardformer/src/colossal/shardformer/__init__.py": """
+        import transformers
+        from colossal.kernels import something
+    """,
+    "packages/colossal/src/colossal/booster/__init__.py": """
+        from colossal.checkpoint_io import CheckpointIO
+        from colossal.lazy._impl import LazyInit
+        from colossal.zero import LowLevelZeroOptimizer
+        from colossal.pipeline import Schedule
+
+        def gemini_plugin():
+            from colossal.gemini import GeminiDDP
+            from colossal.shardformer import ShardFormer
+    """,
+    "packages/colossal/src/colossal/checkpoint_io/__init__.py": "from ..booster import x\n",
+    "packages/colossal/src/colossal/lazy/__init__.py": "",
+    "packages/colossal/src/colossal/lazy/_impl.py": "class LazyInit: ...\n",
+    "packages/colossal/tests/test_booster.py": """
+        from colossal.booster import Booster
+        from colossal.gemini import GeminiDDP
+    """,
+    "packages/colossal-cli/src/colossal/cli/__init__.py": """
+        from __future__ import annotations
+
+        import importlib
+        from typing import TYPE_CHECKING
+
+        from colossal.core import ProcessGroupMesh
+
+        if TYPE_CHECKING:
+            from colossal.booster import Booster
+
+
+        def benchmark() -> None:
+            try:
+                from colossal.booster import Booster
+            except ImportError:
+                raise SystemExit("pip install colossal") from None
+
+
+        class Runner:
+            def run(self) -> None:
+                importlib.import_module("colossal.checkpoint_io")
+    """,
+    "packages/colossal-cli/tests/test_cli.py": """
+        import pytest
+        from colossal.cli import benchmark
+
+        def test_benchmark():
+            pytest.importorskip("colossal.booster")
+    """,
+}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+
+
+def _run(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    _write(tmp_path, CLEAN_TREE)
+    return tmp_path
+
+
+def test_clean_tree_passes(repo: Path) -> None:
+    result = _run(repo)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("check_layering: OK")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("rel", "text", "rule", "line"),
+    [
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/bad.py",
+            "import os\nfrom colossal.zero import LowLevelZeroOptimizer\n",
+            "upward",
+            2,
+            id="core-imports-zero",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/bad.py",
+            "from colossal import zero\n",
+            "upward",
+            1,
+            id="core-imports-zero-from-namespace",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/sub/bad.py",
+            "from ...zero import LowLevelZeroOptimizer\n",
+            "upward",
+            1,
+            id="core-imports-zero-relative",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/bad.py",
+            "import importlib\nimportlib.import_module('colossal.zero')\n",
+            "upward",
+            2,
+            id="core-imports-zero-dynamically",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/zero/bad.py",
+            "import colossal.pipeline.schedule\n",
+            "same-level",
+            1,
+            id="zero-imports-pipeline",
+        ),
+        pytest.param(
+            "packages/colossal-gemini/src/colossal/gemini/bad.py",
+            "def f():\n    from colossal.shardformer import ShardFormer\n",
+            "same-level",
+            2,
+            id="gemini-imports-shardformer-lazily",
+        ),
+        pytest.param(
+            "packages/colossal-gemini/src/colossal/gemini/bad.py",
+            "from colossal.zero import LowLevelZeroOptimizer\n",
+            "not-allowed",
+            1,
+            id="gemini-imports-zero",
+        ),
+        pytest.param(
+            "packages/colossal-shardformer/src/colossal/shardformer/bad.py",
+            "from colossal.zero._private import helper\n",
+            "private",
+            1,
+            id="shardformer-imports-zero-private",
+        ),
+        pytest.param(
+            "packages/colossal-shardformer/src/colossal/shardformer/bad.py",
+            "from colossal.kernels import _impl\n",
+            "private",
+            1,
+            id="shardformer-imports-kernels-private-name",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/__init__.py",
+            "",
+            "namespace-init",
+            1,
+            id="namespace-init",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/helpers.py",
+            "",
+            "namespace-module",
+            1,
+            id="module-in-namespace",
+        ),
+        pytest.param(
+            "packages/colossal-cli/src/colossal/cli/bad.py",
+            "from colossal.booster import Booster\n",
+            "lazy-only",
+            1,
+            id="cli-imports-booster-at-module-level",
+        ),
+        pytest.param(
+            "packages/colossal-cli/src/colossal/cli/bad.py",
+            "import colossal.lazy\n",
+            "lazy-only",
+            1,
+            id="cli-imports-lazy-at-module-level",
+        ),
+        pytest.param(
+            "packages/colossal-cli/src/colossal/cli/bad.py",
+            "class C:\n    from colossal.checkpoint_io import CheckpointIO\n",
+            "lazy-only",
+            2,
+            id="cli-imports-in-class-body",
+        ),
+        pytest.param(
+            "packages/colossal-core/tests/test_bad.py",
+            "from colossal.zero import LowLevelZeroOptimizer\n",
+            "upward",
+            1,
+            id="core-tests-import-zero",
+        ),
+        pytest.param(
+            "packages/colossal-kernels/tests/test_bad.py",
+            "from colossal.core._impl import X\n",
+            "private",
+            1,
+            id="kernels-tests-import-core-private",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/zero/bad.py",
+            "from colossal.optim import X\n",
+            "unknown-package",
+            1,
+            id="import-of-unknown-package",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/zero2/__init__.py",
+            "",
+            "unknown-package",
+            1,
+            id="package-not-in-table",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/pipeline/__init__.py",
+            "",
+            "wrong-distribution",
+            1,
+            id="package-in-wrong-distribution",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/bad.py",
+            "from .... import x\n",
+            "relative-import",
+            1,
+            id="relative-import-above-namespace",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossal/core/bad.py",
+            "def f(:\n",
+            "syntax",
+            1,
+            id="syntax-error",
+        ),
+    ],
+)
+def test_violation_fails_naming_file(repo: Path, rel: str, text: str, rule: str, line: int) -> None:
+    _write(repo, {rel: text})
+    result = _run(repo)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines, result.stderr
+    assert any(entry.startswith(f"{rel}:{line}: [{rule}] ") for entry in lines), lines
+    assert all(entry.startswith(rel) for entry in lines), lines  # nothing else is flagged
+    assert "violation" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def bench():\n    from colossal.booster import Booster\n",
+        "def bench():\n    import colossal.booster.plugin\n",
+        "async def bench():\n    import importlib\n    importlib.import_module('colossal.lazy')\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from colossal.booster import B\n",
+        "from colossal.core.__about__ import __version__\n",
+    ],
+    ids=["from-import", "import", "dynamic", "type-checking", "core-about"],
+)
+def test_cli_lazy_imports_of_meta_package_pass(repo: Path, text: str) -> None:
+    _write(repo, {"packages/colossal-cli/src/colossal/cli/lazy.py": text})
+    result = _run(repo)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_violation_is_one_line(repo: Path) -> None:
+    _write(
+        repo,
+        {
+            "packages/colossal-zero/src/colossal/zero/bad.py": (
+                "import colossal.pipeline\nimport colossal.gemini\nfrom colossal.kernels import x\n"
+            ),
+        },
+    )
+    violations, _, _ = checker.check(repo)
+    assert [(v.line, v.rule) for v in violations] == [
+        (1, "same-level"),
+        (2, "upward"),
+        (3, "same-level"),
+    ]
+    assert all("colossal.zero must not import" in v.message for v in violations)
+
+
+def test_missing_packages_dir_is_a_usage_error(tmp_path: Path) -> None:
+    result = _run(tmp_path)
+    assert result.returncode == 2
+    assert "no packages/ directory" in result.stderr
+
+
+def test_table_matches_design() -> None:
+    layers = checker.LAYERS
+    assert layers["core"].allowed == frozenset()
+    assert {p for p, lay in layers.items() if lay.dist == "colossal"} == {
+        "booster",
+        "checkpoint_io",
+        "lazy",
+    }
+    assert layers["cli"].allowed == {"core"}
+    assert layers["cli"].lazy_only == {"booster", "checkpoint_io", "lazy"}
+    for name, layer in layers.items():
+        for dep in layer.allowed:
+            assert layers[dep].level < layer.level, (name, dep)
+
+
+def test_real_repository_is_clean() -> None:
+    result = _run(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr

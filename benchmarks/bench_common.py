@@ -29,6 +29,7 @@ def goal(name: str, value: float, target: str, met: bool) -> dict[str, Any]:
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """Rows as a markdown table with the given columns."""
+
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
@@ -37,9 +38,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
-def write_json(path: str | None, name: str, rows: list[dict[str, Any]], goals: list[dict[str, Any]]) -> None:
+def write_json(
+    path: str | None, name: str, rows: list[dict[str, Any]], goals: list[dict[str, Any]]
+) -> None:
     """Write the benchmark's JSON record when ``path`` is given."""
     if not path:
         return
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"benchmark": name, "machine": machine(), "rows": rows, "goals": goals}, fh, indent=2)
+        json.dump(
+            {"benchmark": name, "machine": machine(), "rows": rows, "goals": goals}, fh, indent=2
+        )

@@ -67,7 +67,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if name.endswith("out.weight") else 1))
+                nn.init.normal_(
+                    p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if name.endswith("out.weight") else 1)
+                )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

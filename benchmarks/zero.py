@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from bench_common import goal, markdown_table, write_json
 from bench_gpt import GPT, GPTConfig, lm_loss, num_params, random_batch
+from torch import nn
+
 from colossal.core.testing import spawn
 
 CONFIGS = ("ddp", "zero_redundancy", "fsdp2", "colossal_zero1", "colossal_zero2")
@@ -53,7 +53,11 @@ def _build(config: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
             return ddp, torch.optim.AdamW(model.parameters(), **adam), None
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adam), None
+        return (
+            ddp,
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adam),
+            None,
+        )
     if config == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -63,12 +67,15 @@ def _build(config: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
         return model, torch.optim.AdamW(model.parameters(), **adam), None
     from colossal.zero import LowLevelZeroOptimizer
 
-    zero = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), **adam),
-                                 partition_grad=config.endswith("2"))
+    zero = LowLevelZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), **adam), partition_grad=config.endswith("2")
+    )
     return model, zero, zero
 
 
-def _run(rank: int, world_size: int, config: str, size: str, batch: int, steps: int) -> dict[str, Any]:
+def _run(
+    rank: int, world_size: int, config: str, size: str, batch: int, steps: int
+) -> dict[str, Any]:
     cfg = GPTConfig.preset(size)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -125,15 +132,25 @@ def main() -> None:
         for config in args.configs:
             print(f"world {world}: {config} ...", file=sys.stderr, flush=True)
             try:
-                results = spawn(_run, world, args=(config, size, args.batch_size, steps), timeout=1800)
+                results = spawn(
+                    _run, world, args=(config, size, args.batch_size, steps), timeout=1800
+                )
             except Exception as exc:  # noqa: BLE001 - a failed row must not stop the others
-                rows.append({"world": world, "config": config, "status": f"failed: {str(exc)[:120]}"})
+                rows.append(
+                    {"world": world, "config": config, "status": f"failed: {str(exc)[:120]}"}
+                )
                 continue
             step = max(r["step_s"] for r in results)
             memory = max(r["memory"] for r in results)
             psi = results[0]["params"]
-            row = {"world": world, "config": config, "params_M": psi / 1e6, "step_ms": step * 1e3,
-                   "model_state_MB": memory / 2**20, "status": "ok"}
+            row = {
+                "world": world,
+                "config": config,
+                "params_M": psi / 1e6,
+                "step_ms": step * 1e3,
+                "model_state_MB": memory / 2**20,
+                "status": "ok",
+            }
             if config == "ddp":
                 base = row
             if base is not None:
@@ -142,15 +159,36 @@ def main() -> None:
             expected = _formula(config, psi, world)
             if expected is not None:
                 row["memory_vs_formula"] = memory / expected
-                goals.append(goal(f"{config} memory within 5% of formula (world {world})",
-                                  row["memory_vs_formula"], "0.95..1.05", abs(row["memory_vs_formula"] - 1) <= 0.05))
+                goals.append(
+                    goal(
+                        f"{config} memory within 5% of formula (world {world})",
+                        row["memory_vs_formula"],
+                        "0.95..1.05",
+                        abs(row["memory_vs_formula"] - 1) <= 0.05,
+                    )
+                )
                 if "time_vs_ddp" in row:
                     target = 0.97 if config.endswith("1") else 1.05
-                    goals.append(goal(f"{config} step time vs DDP (world {world})", row["time_vs_ddp"],
-                                      f"<= {target}", row["time_vs_ddp"] <= target))
+                    goals.append(
+                        goal(
+                            f"{config} step time vs DDP (world {world})",
+                            row["time_vs_ddp"],
+                            f"<= {target}",
+                            row["time_vs_ddp"] <= target,
+                        )
+                    )
             rows.append(row)
-    columns = ["world", "config", "params_M", "step_ms", "time_vs_ddp", "model_state_MB",
-               "memory_vs_ddp", "memory_vs_formula", "status"]
+    columns = [
+        "world",
+        "config",
+        "params_M",
+        "step_ms",
+        "time_vs_ddp",
+        "model_state_MB",
+        "memory_vs_ddp",
+        "memory_vs_formula",
+        "status",
+    ]
     print(markdown_table(rows, columns))
     print()
     print(markdown_table(goals, ["name", "value", "target", "met"]))

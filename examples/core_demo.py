@@ -33,8 +33,14 @@ def main() -> None:
     mesh = ProcessGroupMesh(dp_size, tp_size, axis_names=("dp", "tp"))
     dp_group, tp_group = mesh.get_group_along_axis("dp"), mesh.get_group_along_axis("tp")
 
-    rows = all_gather_object((coord.rank, mesh.coordinate(), mesh.get_ranks_in_group(dp_group),
-                              mesh.get_ranks_in_group(tp_group)))
+    rows = all_gather_object(
+        (
+            coord.rank,
+            mesh.coordinate(),
+            mesh.get_ranks_in_group(dp_group),
+            mesh.get_ranks_in_group(tp_group),
+        )
+    )
     coord.print_on_master(f"\n{mesh} on {coord.world_size} CPU processes (gloo)\n")
     coord.print_on_master("| rank | (dp, tp) | dp group | tp group |\n|---:|---|---|---|")
     for rank, xy, dp_ranks, tp_ranks in rows:

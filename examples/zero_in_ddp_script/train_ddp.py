@@ -1,6 +1,6 @@
 """A plain torchrun + DDP training script: a small character-level language model.
 
-    python3 -m torch.distributed.run --nproc_per_node 2 train_ddp.py --steps 200
+python3 -m torch.distributed.run --nproc_per_node 2 train_ddp.py --steps 200
 """
 
 from __future__ import annotations

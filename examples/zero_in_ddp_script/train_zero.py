@@ -1,6 +1,6 @@
 """The same script after the switch to colossal-zero (ZeRO stage 2).
 
-    python3 -m torch.distributed.run --nproc_per_node 2 train_zero.py --steps 200
+python3 -m torch.distributed.run --nproc_per_node 2 train_zero.py --steps 200
 """
 
 from __future__ import annotations

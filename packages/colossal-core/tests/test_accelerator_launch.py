@@ -23,7 +23,9 @@ def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLOSSAL_ACCELERATOR", "cpu")
     assert isinstance(get_accelerator(), CpuAccelerator)
     monkeypatch.setenv("COLOSSAL_ACCELERATOR", "tpu")
-    with pytest.raises(ValueError, match=r"unknown accelerator 'tpu' \(from the environment variable"):
+    with pytest.raises(
+        ValueError, match=r"unknown accelerator 'tpu' \(from the environment variable"
+    ):
         get_accelerator()
 
 
@@ -72,15 +74,29 @@ def test_launch_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     [
         (launch_from_torch, {"RANK": "0"}, "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
         (launch_from_slurm, {}, "SLURM_PROCID, SLURM_NPROCS"),
-        (launch_from_openmpi, {"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_SIZE"),
+        (
+            launch_from_openmpi,
+            {"OMPI_COMM_WORLD_RANK": "0"},
+            "OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_SIZE",
+        ),
     ],
 )
 def test_launchers_name_missing_variables(
     monkeypatch: pytest.MonkeyPatch, fn: object, present: dict, missing: str
 ) -> None:
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-                 "SLURM_NPROCS", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_SIZE"):
+    for name in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_NPROCS",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     for k, v in present.items():
         monkeypatch.setenv(k, v)
@@ -90,7 +106,13 @@ def test_launchers_name_missing_variables(
 
 
 def test_launch_from_torch_bad_integer(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"RANK": "zero", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    env = {
+        "RANK": "zero",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match="RANK='zero' is not an integer"):

@@ -40,13 +40,17 @@ def test_collectives_values_and_bytes(rank: int, world_size: int, algorithm: str
         full = torch.arange(n * world_size, dtype=torch.float32) + rank
         out = torch.empty(n)
         reduce_scatter(out, full, algorithm=algorithm)
-        expected = world_size * torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + sum(range(world_size))
+        expected = world_size * torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + sum(
+            range(world_size)
+        )
         assert torch.equal(out, expected)
 
         mine = torch.full((n,), float(rank), dtype=torch.bfloat16)
         gathered = torch.empty(n * world_size, dtype=torch.bfloat16)
         all_gather(gathered, mine, algorithm=algorithm)
-        assert torch.equal(gathered, torch.arange(world_size).repeat_interleave(n).to(torch.bfloat16))
+        assert torch.equal(
+            gathered, torch.arange(world_size).repeat_interleave(n).to(torch.bfloat16)
+        )
 
         b = torch.full((3,), float(rank), dtype=torch.float64)
         broadcast(b, src=world_size - 1)
@@ -60,7 +64,9 @@ def test_collectives_values_and_bytes(rank: int, world_size: int, algorithm: str
         send_buf = torch.arange(world_size * 2, dtype=torch.float32) + 100 * rank
         recv_buf = torch.empty(world_size * 2)
         all_to_all(recv_buf, send_buf)
-        expected_a2a = torch.cat([torch.arange(2 * rank, 2 * rank + 2) + 100.0 * src for src in range(world_size)])
+        expected_a2a = torch.cat(
+            [torch.arange(2 * rank, 2 * rank + 2) + 100.0 * src for src in range(world_size)]
+        )
         assert torch.equal(recv_buf, expected_a2a)
 
         objs = all_gather_object({"rank": rank})
@@ -96,10 +102,12 @@ def test_point_to_point_and_batch(rank: int, world_size: int) -> None:
         assert torch.equal(got, torch.full((5,), float(prv)))
 
         got2 = torch.empty(4, dtype=torch.float16)
-        works = batch_isend_irecv([
-            P2POp("send", torch.full((4,), float(rank), dtype=torch.float16), nxt),
-            P2POp("recv", got2, prv),
-        ])
+        works = batch_isend_irecv(
+            [
+                P2POp("send", torch.full((4,), float(rank), dtype=torch.float16), nxt),
+                P2POp("recv", got2, prv),
+            ]
+        )
         for w in works:
             w.wait()
         assert torch.equal(got2, torch.full((4,), float(prv), dtype=torch.float16))

@@ -6,7 +6,13 @@ import logging
 
 import pytest
 
-from colossal.core.logging import get_dist_logger, get_logger, log_on_master, log_on_ranks, warn_once
+from colossal.core.logging import (
+    get_dist_logger,
+    get_logger,
+    log_on_master,
+    log_on_ranks,
+    warn_once,
+)
 from colossal.core.testing import distributed_test
 
 

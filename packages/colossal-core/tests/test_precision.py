@@ -20,9 +20,15 @@ from colossal.core.testing import distributed_test
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("fp32", torch.float32), ("FP16", torch.float16), ("bf16", torch.bfloat16),
-     ("bfloat16", torch.bfloat16), ("half", torch.float16), (torch.float32, torch.float32),
-     ("torch.bfloat16", torch.bfloat16)],
+    [
+        ("fp32", torch.float32),
+        ("FP16", torch.float16),
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("half", torch.float16),
+        (torch.float32, torch.float32),
+        ("torch.bfloat16", torch.bfloat16),
+    ],
 )
 def test_parse_precision(value: object, expected: torch.dtype) -> None:
     assert parse_precision(value).dtype == expected  # type: ignore[arg-type]
@@ -92,9 +98,16 @@ def test_scaler_state_dict_roundtrip() -> None:
 
 def test_scaler_validation_names_every_problem() -> None:
     with pytest.raises(ValueError) as info:
-        DynamicGradScaler(initial_scale=0.5, min_scale=1, growth_factor=1, backoff_factor=2, hysteresis=0)
+        DynamicGradScaler(
+            initial_scale=0.5, min_scale=1, growth_factor=1, backoff_factor=2, hysteresis=0
+        )
     msg = str(info.value)
-    for fragment in ("initial_scale=0.5", "growth_factor=1.0", "backoff_factor=2.0", "hysteresis=0"):
+    for fragment in (
+        "initial_scale=0.5",
+        "growth_factor=1.0",
+        "backoff_factor=2.0",
+        "hysteresis=0",
+    ):
         assert fragment in msg
 
 

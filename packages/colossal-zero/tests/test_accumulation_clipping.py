@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
 from colossal.core.testing import distributed_test, relative_error
 from colossal.zero import LowLevelZeroOptimizer
-from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
 STEPS = 4
 
 
-def _micro_batches(step: int, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _micro_batches(
+    step: int, rank: int, world_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = batch(step)
     x, y = local(x, rank, world_size), local(y, rank, world_size)
     half = x.shape[0] // 2
@@ -41,7 +43,9 @@ def test_no_sync_accumulation_stage1(rank: int, world_size: int, kind: str) -> N
 def test_accumulation_with_communication_each_time(rank: int, world_size: int, stage: int) -> None:
     # Two synced backward calls per step: stage 1 must not count the first reduction twice.
     model = make_model()
-    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=64)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=64
+    )
     for step in range(STEPS):
         opt.zero_grad()
         for x, y in _micro_batches(step, rank, world_size):
@@ -68,7 +72,9 @@ def test_clipping_matches_torch(rank: int, world_size: int, stage: int, how: str
     clip = 0.05  # well below the gradient norms, so every step clips
     model = make_model()
     opt = LowLevelZeroOptimizer(
-        make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=64,
+        make_optimizer(model, kind="sgd"),
+        partition_grad=stage == 2,
+        reduce_bucket_size=64,
         clip_grad_norm=clip if how == "constructor" else 0.0,
     )
     norms = []

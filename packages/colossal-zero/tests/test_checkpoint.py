@@ -6,15 +6,17 @@ import os
 
 import pytest
 import torch
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
 from colossal.core.testing import distributed_test, relative_error, spawn
 from colossal.zero import LowLevelZeroOptimizer
-from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
 FIRST, SECOND = 3, 3
 
 
-def _train(model: torch.nn.Module, opt: LowLevelZeroOptimizer, steps: range, rank: int, world_size: int) -> None:
+def _train(
+    model: torch.nn.Module, opt: LowLevelZeroOptimizer, steps: range, rank: int, world_size: int
+) -> None:
     for step in steps:
         x, y = batch(step)
         opt.zero_grad()
@@ -24,7 +26,9 @@ def _train(model: torch.nn.Module, opt: LowLevelZeroOptimizer, steps: range, ran
 
 def _save(rank: int, world_size: int, path: str, stage: int) -> None:
     model = make_model()
-    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=64)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=64
+    )
     _train(model, opt, range(FIRST), rank, world_size)
     state = opt.state_dict()  # collective: every rank takes part
     if rank == 0:
@@ -35,7 +39,9 @@ def _resume(rank: int, world_size: int, path: str, stage: int) -> dict[str, torc
     saved = torch.load(path, weights_only=False)
     model = make_model()
     model.load_state_dict(saved["model"])
-    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=40)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="adamw"), partition_grad=stage == 2, reduce_bucket_size=40
+    )
     opt.load_state_dict(saved["optim"])
     _train(model, opt, range(FIRST, FIRST + SECOND), rank, world_size)
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -62,7 +68,9 @@ def test_state_dict_is_full_and_unpadded(rank: int, world_size: int) -> None:
     sd = opt.state_dict()
     # Indices follow the optimizer's groups: weights first, then biases.
     named = list(model.named_parameters())
-    params = [p for n, p in named if n.endswith("weight")] + [p for n, p in named if n.endswith("bias")]
+    params = [p for n, p in named if n.endswith("weight")] + [
+        p for n, p in named if n.endswith("bias")
+    ]
     assert sorted(sd["state"]) == list(range(len(params)))
     for i, p in enumerate(params):
         entry = sd["state"][i]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zero_testlib import batch, global_loss, local, loss_fn, make_model, make_optimizer, reference
 
 from colossal.core.testing import distributed_test, relative_error
 from colossal.zero import LowLevelZeroOptimizer
-from zero_testlib import batch, global_loss, local, loss_fn, make_model, make_optimizer, reference
 
 # fp32 must match to 1e-5; half precisions are compared with the fp32 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -15,10 +15,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEPS = 5
 
 
-def _train_and_compare(rank: int, world_size: int, stage: int, dtype: torch.dtype, kind: str) -> None:
+def _train_and_compare(
+    rank: int, world_size: int, stage: int, dtype: torch.dtype, kind: str
+) -> None:
     model = make_model(dtype)
     opt = LowLevelZeroOptimizer(
-        make_optimizer(model, kind=kind), partition_grad=stage == 2, reduce_bucket_size=70,
+        make_optimizer(model, kind=kind),
+        partition_grad=stage == 2,
+        reduce_bucket_size=70,
         initial_scale=2**8,
     )
     assert len(opt.buckets) > 2, "the test wants several buckets"
@@ -60,8 +64,12 @@ def test_sgd_sees_averaged_gradients(rank: int, world_size: int, stage: int) -> 
 def test_overlap_and_comm_dtype(rank: int, world_size: int, overlap: bool) -> None:
     model = make_model()
     opt = LowLevelZeroOptimizer(
-        make_optimizer(model), partition_grad=True, reduce_bucket_size=50,
-        overlap_communication=overlap, communication_dtype=torch.float32, cpu_offload=True,
+        make_optimizer(model),
+        partition_grad=True,
+        reduce_bucket_size=50,
+        overlap_communication=overlap,
+        communication_dtype=torch.float32,
+        cpu_offload=True,
     )
     for step in range(3):
         x, y = batch(step)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 
 from colossal.core.testing import distributed_test
 from colossal.zero import LowLevelZeroOptimizer
-from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -15,8 +15,12 @@ from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 def test_overflow_skips_step_on_every_rank(rank: int, world_size: int, stage: int) -> None:
     model = make_model(torch.float16)
     opt = LowLevelZeroOptimizer(
-        make_optimizer(model), partition_grad=stage == 2, reduce_bucket_size=64,
-        initial_scale=2**10, hysteresis=1, backoff_factor=0.5,
+        make_optimizer(model),
+        partition_grad=stage == 2,
+        reduce_bucket_size=64,
+        initial_scale=2**10,
+        hysteresis=1,
+        backoff_factor=0.5,
     )
     x, y = batch(0)
     x, y = local(x, rank, world_size), local(y, rank, world_size)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 
 from colossal.core.comm import CommTracker
 from colossal.core.testing import distributed_test, relative_error
 from colossal.zero import LowLevelZeroOptimizer
-from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -16,7 +16,9 @@ from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
 def test_frozen_layer_and_branch_unused_on_one_rank(rank: int, world_size: int, stage: int) -> None:
     model = make_model(frozen=True)
     frozen_before = model.body[1].weight.detach().clone()
-    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=30)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=30
+    )
     ref_model = make_model(frozen=True)
     ref_opt = make_optimizer(ref_model, kind="sgd")
     for step in range(3):
@@ -24,14 +26,21 @@ def test_frozen_layer_and_branch_unused_on_one_rank(rank: int, world_size: int, 
         opt.zero_grad()
         # Rank 0 skips the branch: its parameters get no gradient there.
         use = rank != 0
-        opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size), use_branch=use))
+        opt.backward(
+            loss_fn(model, local(x, rank, world_size), local(y, rank, world_size), use_branch=use)
+        )
         opt.step()
         # Reference: the mean of every rank's local loss, each with its own branch choice.
         ref_opt.zero_grad()
-        total = sum(
-            loss_fn(ref_model, local(x, r, world_size), local(y, r, world_size), use_branch=r != 0)
-            for r in range(world_size)
-        ) / world_size
+        total = (
+            sum(
+                loss_fn(
+                    ref_model, local(x, r, world_size), local(y, r, world_size), use_branch=r != 0
+                )
+                for r in range(world_size)
+            )
+            / world_size
+        )
         total.backward()
         ref_opt.step()
     assert torch.equal(model.body[1].weight, frozen_before)
@@ -42,7 +51,9 @@ def test_frozen_layer_and_branch_unused_on_one_rank(rank: int, world_size: int, 
 @distributed_test(2)
 def test_rank_without_backward_still_steps(rank: int, world_size: int) -> None:
     model = make_model()
-    opt = LowLevelZeroOptimizer(make_optimizer(model, kind="sgd"), partition_grad=True, reduce_bucket_size=30)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="sgd"), partition_grad=True, reduce_bucket_size=30
+    )
     x, y = batch(0)
     if rank == 0:  # rank 1 has no data this step and only calls step()
         opt.backward(loss_fn(model, local(x, 0, 2), local(y, 0, 2)))
@@ -59,7 +70,9 @@ def test_rank_without_backward_still_steps(rank: int, world_size: int) -> None:
 @distributed_test(2, 4)
 def test_communication_volume_per_step(rank: int, world_size: int, stage: int) -> None:
     model = make_model(torch.bfloat16)
-    opt = LowLevelZeroOptimizer(make_optimizer(model), partition_grad=stage == 2, reduce_bucket_size=40)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model), partition_grad=stage == 2, reduce_bucket_size=40
+    )
     padded = sum(b.size for b in opt.buckets)
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params <= padded < n_params + len(opt.buckets) * world_size
@@ -81,10 +94,14 @@ def test_communication_volume_per_step(rank: int, world_size: int, stage: int) -
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2])
 @distributed_test(2, 4)
-def test_memory_report_follows_zero_formula(rank: int, world_size: int, stage: int, precision: str) -> None:
+def test_memory_report_follows_zero_formula(
+    rank: int, world_size: int, stage: int, precision: str
+) -> None:
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     model = make_model(dtype)
-    opt = LowLevelZeroOptimizer(make_optimizer(model), partition_grad=stage == 2, reduce_bucket_size=64)
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model), partition_grad=stage == 2, reduce_bucket_size=64
+    )
     x, y = batch(0)
     opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)))
     opt.step()
@@ -94,7 +111,9 @@ def test_memory_report_follows_zero_formula(rank: int, world_size: int, stage: i
     shard = padded // world_size
     width = 4 if precision == "fp32" else 2
     assert report.working_params == padded * width
-    assert report.grads == (shard * (4 if precision == "bf16" else width) if stage == 2 else padded * width)
+    assert report.grads == (
+        shard * (4 if precision == "bf16" else width) if stage == 2 else padded * width
+    )
     assert report.master_params == (0 if precision == "fp32" else shard * 4)
     scalar_steps = 4 * len(opt.buckets)  # Adam's "step" counters (fp32 scalars)
     assert report.optimizer_states == 2 * 4 * shard + scalar_steps

@@ -34,14 +34,19 @@ def make_model(dtype: torch.dtype = torch.float32, frozen: bool = False) -> Net:
     return Net(frozen).to(dtype)
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-2, kind: str = "adamw") -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, lr: float = 1e-2, kind: str = "adamw"
+) -> torch.optim.Optimizer:
     """Two groups of different hyper-parameters (no decay on biases).
 
     ``"sgd"`` (momentum) is sensitive to the gradients' scale, which Adam is not.
     """
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+    groups = [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2},
+    ]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr * 10, momentum=0.9)
     return torch.optim.AdamW(groups, lr=lr)

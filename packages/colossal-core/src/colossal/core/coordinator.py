@@ -89,7 +89,9 @@ class DistCoordinator:
         barrier(self._resolve(group))
 
     @contextlib.contextmanager
-    def priority_execution(self, executor_rank: int = 0, group: ProcessGroup | None = None) -> Iterator[bool]:
+    def priority_execution(
+        self, executor_rank: int = 0, group: ProcessGroup | None = None
+    ) -> Iterator[bool]:
         """Run the body on ``executor_rank`` first, then on every other rank of ``group``.
 
         Typical use: one rank downloads or preprocesses, the others then read its result.
@@ -104,7 +106,9 @@ class DistCoordinator:
         if first:
             barrier(group)
 
-    def on_master_only(self, group: ProcessGroup | None = None) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    def on_master_only(
+        self, group: ProcessGroup | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
         """Decorator: call the function on the master of ``group`` only (others get ``None``)."""
 
         def decorator(fn: Callable[P, R]) -> Callable[P, R | None]:

@@ -31,7 +31,11 @@ class ModelWrapper(nn.Module):
         while True:
             if isinstance(inner, ModelWrapper):
                 inner = inner.unwrap()
-            elif hasattr(inner, "module") and isinstance(inner.module, nn.Module) and _is_torch_wrapper(inner):
+            elif (
+                hasattr(inner, "module")
+                and isinstance(inner.module, nn.Module)
+                and _is_torch_wrapper(inner)
+            ):
                 inner = inner.module
             else:
                 return inner
@@ -57,7 +61,9 @@ class OptimizerWrapper:
 
     def __init__(self, optim: Optimizer) -> None:
         if not isinstance(optim, Optimizer):
-            raise TypeError(f"OptimizerWrapper needs a torch.optim.Optimizer, got {type(optim).__name__}")
+            raise TypeError(
+                f"OptimizerWrapper needs a torch.optim.Optimizer, got {type(optim).__name__}"
+            )
         self.optim = optim
 
     @property
@@ -83,7 +89,9 @@ class OptimizerWrapper:
         """Back-propagate ``loss`` (scaled, where the optimizer scales)."""
         loss.backward(*args, **kwargs)
 
-    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def backward_by_grad(
+        self, tensor: torch.Tensor, grad: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> None:
         """Back-propagate from ``tensor`` given its gradient ``grad`` (e.g. pipeline stages)."""
         torch.autograd.backward(tensor, grad, *args, **kwargs)
 
@@ -112,7 +120,9 @@ class OptimizerWrapper:
 
     def clip_grad_by_value(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``."""
-        torch.nn.utils.clip_grad_value_([p for p in self._params() if p.grad is not None], clip_value)
+        torch.nn.utils.clip_grad_value_(
+            [p for p in self._params() if p.grad is not None], clip_value
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict."""

@@ -105,7 +105,9 @@ def launch(
     if verbose and rank == 0:
         logger.info(
             "distributed environment ready: world_size=%d backend=%s device=%s",
-            world_size, backend, accelerator.get_current_device(),
+            world_size,
+            backend,
+            accelerator.get_current_device(),
         )
 
 
@@ -137,11 +139,17 @@ def launch_from_torch(
 ) -> None:
     """:func:`launch` with rank, world size and address set by torchrun or ``colossal run``."""
     names = {
-        "rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
-        "host": "MASTER_ADDR", "port": "MASTER_PORT",
+        "rank": "RANK",
+        "local_rank": "LOCAL_RANK",
+        "world_size": "WORLD_SIZE",
+        "host": "MASTER_ADDR",
+        "port": "MASTER_PORT",
     }
-    env = _read_env(names, "launch_from_torch",
-                    "start the script with `torchrun` or `colossal run`, or call launch(...)")
+    env = _read_env(
+        names,
+        "launch_from_torch",
+        "start the script with `torchrun` or `colossal run`, or call launch(...)",
+    )
     launch(
         rank=_int_env(env, "rank", "RANK"),
         world_size=_int_env(env, "world_size", "WORLD_SIZE"),
@@ -172,9 +180,13 @@ def launch_from_slurm(
     launch(
         rank=_int_env(env, "rank", names["rank"]),
         world_size=_int_env(env, "world_size", names["world_size"]),
-        host=host, port=port, backend=backend,
+        host=host,
+        port=port,
+        backend=backend,
         local_rank=int(local) if local is not None else None,
-        seed=seed, verbose=verbose, timeout=timeout,
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
     )
 
 
@@ -196,9 +208,13 @@ def launch_from_openmpi(
     launch(
         rank=_int_env(env, "rank", names["rank"]),
         world_size=_int_env(env, "world_size", names["world_size"]),
-        host=host, port=port, backend=backend,
+        host=host,
+        port=port,
+        backend=backend,
         local_rank=_int_env(env, "local_rank", names["local_rank"]),
-        seed=seed, verbose=verbose, timeout=timeout,
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
     )
 
 

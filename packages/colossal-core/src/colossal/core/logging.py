@@ -26,7 +26,10 @@ def _this_rank() -> int:
 
 
 def log_on_ranks(
-    logger: logging.Logger, msg: str, *args: object, ranks: Iterable[int] | None = (0,),
+    logger: logging.Logger,
+    msg: str,
+    *args: object,
+    ranks: Iterable[int] | None = (0,),
     level: int = logging.INFO,
 ) -> None:
     """Log ``msg`` only on the given global ``ranks`` (every rank when ``None``)."""
@@ -35,7 +38,9 @@ def log_on_ranks(
         logger.log(level, msg, *args)
 
 
-def log_on_master(logger: logging.Logger, msg: str, *args: object, level: int = logging.INFO) -> None:
+def log_on_master(
+    logger: logging.Logger, msg: str, *args: object, level: int = logging.INFO
+) -> None:
     """Log ``msg`` on global rank 0 only."""
     log_on_ranks(logger, msg, *args, ranks=(0,), level=level)
 
@@ -70,26 +75,40 @@ class DistributedLogger(logging.LoggerAdapter):
         """Prefix the message with this process's rank."""
         return f"[rank {_this_rank()}] {msg}", kwargs
 
-    def log(self, level: int, msg: object, *args: object, ranks: Iterable[int] | None = None,
-            **kwargs: object) -> None:  # type: ignore[override]
+    def log(
+        self,
+        level: int,
+        msg: object,
+        *args: object,
+        ranks: Iterable[int] | None = None,
+        **kwargs: object,
+    ) -> None:  # type: ignore[override]
         """Log on ``ranks`` only (every rank when ``None``)."""
         if ranks is not None and _this_rank() not in set(ranks):
             return
         super().log(level, msg, *args, **kwargs)
 
-    def debug(self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object) -> None:  # type: ignore[override]
+    def debug(
+        self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
+    ) -> None:  # type: ignore[override]
         """Debug-level :meth:`log`."""
         self.log(logging.DEBUG, msg, *args, ranks=ranks, **kw)
 
-    def info(self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object) -> None:  # type: ignore[override]
+    def info(
+        self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
+    ) -> None:  # type: ignore[override]
         """Info-level :meth:`log`."""
         self.log(logging.INFO, msg, *args, ranks=ranks, **kw)
 
-    def warning(self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object) -> None:  # type: ignore[override]
+    def warning(
+        self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
+    ) -> None:  # type: ignore[override]
         """Warning-level :meth:`log`."""
         self.log(logging.WARNING, msg, *args, ranks=ranks, **kw)
 
-    def error(self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object) -> None:  # type: ignore[override]
+    def error(
+        self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
+    ) -> None:  # type: ignore[override]
         """Error-level :meth:`log`."""
         self.log(logging.ERROR, msg, *args, ranks=ranks, **kw)
 

@@ -43,7 +43,9 @@ class ProcessGroupMesh:
         timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("ProcessGroupMesh needs torch.distributed initialized; call launch first")
+            raise RuntimeError(
+                "ProcessGroupMesh needs torch.distributed initialized; call launch first"
+            )
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"mesh sizes must be positive ints, got {sizes}")
         world = dist.get_world_size()
@@ -56,7 +58,8 @@ class ProcessGroupMesh:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(sizes) or len(set(axis_names)) != len(axis_names):
                 raise ValueError(
-                    f"axis_names {axis_names} must be {len(sizes)} unique names, one per axis of {sizes}"
+                    f"axis_names {axis_names} must be {len(sizes)} unique names, "
+                    f"one per axis of {sizes}"
                 )
         self._shape = tuple(sizes)
         self._names = axis_names
@@ -90,7 +93,9 @@ class ProcessGroupMesh:
         """
         if isinstance(axis, str):
             if self._names is None or axis not in self._names:
-                raise ValueError(f"unknown mesh axis {axis!r}; the axes are {self._names or 'unnamed'}")
+                raise ValueError(
+                    f"unknown mesh axis {axis!r}; the axes are {self._names or 'unnamed'}"
+                )
             return self._names.index(axis)
         if not isinstance(axis, int) or not -len(self._shape) <= axis < len(self._shape):
             raise ValueError(f"mesh axis {axis!r} out of range for a {len(self._shape)}-d mesh")
@@ -128,7 +133,9 @@ class ProcessGroupMesh:
             raise ValueError(f"axes {axes} repeat an axis")
         return idx
 
-    def ranks_along_axis(self, axis: Axis | Sequence[Axis], coord: Sequence[int] | None = None) -> list[int]:
+    def ranks_along_axis(
+        self, axis: Axis | Sequence[Axis], coord: Sequence[int] | None = None
+    ) -> list[int]:
         """Ranks sharing ``coord`` (this rank's by default) on every axis except ``axis``."""
         axes = self._axes(axis)
         base = list(self._coord if coord is None else coord)

@@ -26,10 +26,13 @@ class ZeroConfig:
         problems = []
         if not isinstance(self.reduce_bucket_size, int) or self.reduce_bucket_size < 1:
             problems.append(
-                f"reduce_bucket_size={self.reduce_bucket_size!r} must be a positive number of elements"
+                f"reduce_bucket_size={self.reduce_bucket_size!r} must be a positive number "
+                "of elements"
             )
         if not self.clip_grad_norm >= 0:
-            problems.append(f"clip_grad_norm={self.clip_grad_norm!r} must be >= 0 (0 disables clipping)")
+            problems.append(
+                f"clip_grad_norm={self.clip_grad_norm!r} must be >= 0 (0 disables clipping)"
+            )
         if not (self.norm_type == float("inf") or self.norm_type > 0):
             problems.append(f"norm_type={self.norm_type!r} must be > 0 or inf")
         if self.communication_dtype is not None and self.communication_dtype not in _COMM_DTYPES:

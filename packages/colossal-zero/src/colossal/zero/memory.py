@@ -44,14 +44,19 @@ class MemoryReport:
         working = sum(_nbytes(f) for f in opt.flat_params) + frozen
         masters = 0 if opt._master_is_view else sum(_nbytes(m) for m in opt.masters)
         states = sum(
-            _nbytes(v) for s in opt.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+            _nbytes(v)
+            for s in opt.optim.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
         )
         return cls(working, opt.reducer.grad_bytes(), masters, states)
 
     def as_dict(self) -> dict[str, int]:
         """The report as a plain dict (with the total)."""
         return {
-            "working_params": self.working_params, "grads": self.grads,
-            "master_params": self.master_params, "optimizer_states": self.optimizer_states,
+            "working_params": self.working_params,
+            "grads": self.grads,
+            "master_params": self.master_params,
+            "optimizer_states": self.optimizer_states,
             "total": self.total,
         }

@@ -97,16 +97,22 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
                 "colossal.core.launch_from_torch() or torch.distributed.init_process_group)"
             )
         self.config = ZeroConfig(
-            partition_grad=bool(partition_grad), clip_grad_norm=float(clip_grad_norm),
-            norm_type=float(norm_type), reduce_bucket_size=reduce_bucket_size,
-            communication_dtype=communication_dtype, overlap_communication=overlap_communication,
-            cpu_offload=cpu_offload, master_weights=master_weights,
+            partition_grad=bool(partition_grad),
+            clip_grad_norm=float(clip_grad_norm),
+            norm_type=float(norm_type),
+            reduce_bucket_size=reduce_bucket_size,
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            cpu_offload=cpu_offload,
+            master_weights=master_weights,
         )
         self.dp_group = dp_process_group
         self._dp_ranks = group_ranks(dp_process_group)
         self.world_size = len(self._dp_ranks)
         self.rank = self._dp_ranks.index(dist.get_rank())
-        self._norm_groups = [dp_process_group] + [g for g in (tp_process_group, pp_process_group) if g is not None]
+        self._norm_groups = [dp_process_group] + [
+            g for g in (tp_process_group, pp_process_group) if g is not None
+        ]
         self._verbose = verbose
 
         members, self._all_params = self._collect_params(optimizer)
@@ -114,33 +120,54 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         trainable = [p for g in members for _, p in g]
         self.precision, self.device = self._check_params(trainable)
         self.scaler = (
-            DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor,
-                              growth_interval, hysteresis, max_scale)
-            if self.precision is Precision.FP16 else None
+            DynamicGradScaler(
+                initial_scale,
+                min_scale,
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+                hysteresis,
+                max_scale,
+            )
+            if self.precision is Precision.FP16
+            else None
         )
-        self.layouts, self.buckets = plan_layout(members, self.world_size, self.config.reduce_bucket_size)
+        self.layouts, self.buckets = plan_layout(
+            members, self.world_size, self.config.reduce_bucket_size
+        )
         self.flat_params = self._build_flat_params(self.layouts)
         self.masters, self._master_is_view = self._build_masters()
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [self.masters[b.order] for b in self.layouts[g].buckets]
         comm_dtype = self.config.communication_dtype or self.precision.dtype
         self.reducer = GradReducer(
-            self.layouts, self.buckets, self.config.partition_grad, dp_process_group,
-            self.world_size, self.rank, comm_dtype, self._master_dtype, self._master_device,
-            self.device, self.config.overlap_communication,
+            self.layouts,
+            self.buckets,
+            self.config.partition_grad,
+            dp_process_group,
+            self.world_size,
+            self.rank,
+            comm_dtype,
+            self._master_dtype,
+            self._master_device,
+            self.device,
+            self.config.overlap_communication,
         )
         self._hooks = [
             slot.param.register_post_accumulate_grad_hook(
                 functools.partial(_grad_hook, self.reducer, bucket, slot)
             )
-            for bucket in self.buckets for slot in bucket.slots
+            for bucket in self.buckets
+            for slot in bucket.slots
         ]
         self._grad_norm: float | None = None
         self._pending_clip: float | None = None
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
-    def _collect_params(optimizer: Optimizer) -> tuple[list[list[tuple[int, torch.Tensor]]], list[torch.Tensor]]:
+    def _collect_params(
+        optimizer: Optimizer,
+    ) -> tuple[list[list[tuple[int, torch.Tensor]]], list[torch.Tensor]]:
         if optimizer.state:
             raise ValueError(
                 "the optimizer already has state; wrap it in LowLevelZeroOptimizer before its "
@@ -160,16 +187,21 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     @staticmethod
     def _check_params(params: Sequence[torch.Tensor]) -> tuple[Precision, torch.device]:
         if not params:
-            raise ValueError("the optimizer has no trainable parameters (all have requires_grad=False)")
+            raise ValueError(
+                "the optimizer has no trainable parameters (all have requires_grad=False)"
+            )
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1:
             raise ValueError(
-                f"trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; cast the model "
+                f"trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; "
+                "cast the model "
                 "to one of float32, float16, bfloat16 first (e.g. model.to(torch.bfloat16))"
             )
         if len(devices) > 1:
-            raise ValueError(f"trainable parameters are on several devices {sorted(map(str, devices))}")
+            raise ValueError(
+                f"trainable parameters are on several devices {sorted(map(str, devices))}"
+            )
         return Precision.from_dtype(dtypes.pop()), devices.pop()
 
     def _build_flat_params(self, layouts: Sequence[GroupLayout]) -> list[torch.Tensor]:
@@ -222,7 +254,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         loss.backward(retain_graph=retain_graph)
         self._after_backward()
 
-    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward_by_grad(
+        self, tensor: torch.Tensor, grad: torch.Tensor, retain_graph: bool = False
+    ) -> None:
         """Back-propagate from ``tensor`` with gradient ``grad`` (e.g. a pipeline stage)."""
         if self.scaler is not None:
             grad = grad * self.scaler.scale
@@ -257,7 +291,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     def _compute_norm(self) -> float:
         self.reducer.ensure_reduced()
         if self._grad_norm is None:
-            term = local_norm_term((self.reducer.shard_grad(b) for b in self.buckets), self.config.norm_type)
+            term = local_norm_term(
+                (self.reducer.shard_grad(b) for b in self.buckets), self.config.norm_type
+            )
             raw = global_norm(term, self.config.norm_type, self._norm_groups)
             self._grad_norm = raw / (self.world_size * self.loss_scale)
         return self._grad_norm
@@ -270,7 +306,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """
         if norm_type is not None and norm_type != self.config.norm_type:
             raise ValueError(
-                f"norm_type={norm_type} differs from the optimizer's norm_type={self.config.norm_type}; "
+                f"norm_type={norm_type} differs from the optimizer's "
+                f"norm_type={self.config.norm_type}; "
                 "set norm_type when creating LowLevelZeroOptimizer"
             )
         if not max_norm > 0:
@@ -297,7 +334,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             self.scaler.update(overflow)
         if overflow:
             if self.scaler is None:
-                raise FloatingPointError(f"gradient norm is {norm} without fp16 loss scaling; check the loss")
+                raise FloatingPointError(
+                    f"gradient norm is {norm} without fp16 loss scaling; check the loss"
+                )
             (logger.info if self._verbose else logger.debug)(
                 "gradient overflow: step skipped, loss scale now %g", self.scaler.scale
             )
@@ -329,7 +368,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
                     flat[lo:hi].copy_(master)
                 if self.world_size > 1:
                     region = flat[bucket.start : bucket.start + bucket.size]
-                    works.append(all_gather(region, flat[lo:hi], group=self.dp_group, async_op=True))
+                    works.append(
+                        all_gather(region, flat[lo:hi], group=self.dp_group, async_op=True)
+                    )
         for work in works:
             if work is not None:
                 work.wait()

@@ -161,7 +161,9 @@ class GradReducer:
         if self.partition_grad:
             buf = state.buffer
             assert buf is not None
-            out = torch.empty(bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device)
+            out = torch.empty(
+                bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
+            )
             work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
             post: Callable[[], None] | None = self._accumulate_shard(bucket, state, out)
         else:
@@ -176,7 +178,9 @@ class GradReducer:
         self._pending.append((work, post))
         self._next = bucket.order + 1
 
-    def _accumulate_shard(self, bucket: Bucket, state: _BucketState, out: torch.Tensor) -> Callable[[], None]:
+    def _accumulate_shard(
+        self, bucket: Bucket, state: _BucketState, out: torch.Tensor
+    ) -> Callable[[], None]:
         def post() -> None:
             state.buffer = None
             shard = out.to(device=self.shard_device, dtype=self.shard_dtype)

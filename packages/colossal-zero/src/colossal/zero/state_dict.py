@@ -37,7 +37,9 @@ def gather_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
                 full = full.cpu()
                 for slot in bucket.slots:
                     lo = slot.offset - bucket.start
-                    state.setdefault(slot.index, {})[name] = full[lo : lo + slot.numel].view(slot.param.shape).clone()
+                    state.setdefault(slot.index, {})[name] = (
+                        full[lo : lo + slot.numel].view(slot.param.shape).clone()
+                    )
             else:
                 for slot in bucket.slots:
                     state.setdefault(slot.index, {})[name] = copy.deepcopy(value)
@@ -69,7 +71,10 @@ def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: dict[str, Any]) -> None:
     """
     for key in ("state", "param_groups"):
         if key not in sd:
-            raise ValueError(f"optimizer state dict lacks {key!r}; was it saved by LowLevelZeroOptimizer.state_dict()?")
+            raise ValueError(
+                f"optimizer state dict lacks {key!r}; was it saved by "
+                "LowLevelZeroOptimizer.state_dict()?"
+            )
     if len(sd["param_groups"]) != len(opt.optim.param_groups):
         raise ValueError(
             f"state dict has {len(sd['param_groups'])} param groups, this optimizer has "
@@ -79,12 +84,16 @@ def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: dict[str, Any]) -> None:
         expected = _group_param_count(opt, g)
         if len(saved.get("params", [])) != expected:
             raise ValueError(
-                f"saved param group {g} has {len(saved.get('params', []))} parameters, this one has "
+                f"saved param group {g} has {len(saved.get('params', []))} parameters, "
+                "this one has "
                 f"{expected}; it was saved for a different model"
             )
     states: dict[int, dict[str, Any]] = {int(k): v for k, v in sd["state"].items()}
     # Build everything first so that a mismatch leaves the optimizer untouched.
-    loaded = [_bucket_state(opt, bucket, master, states) for bucket, master in zip(opt.buckets, opt.masters, strict=True)]
+    loaded = [
+        _bucket_state(opt, bucket, master, states)
+        for bucket, master in zip(opt.buckets, opt.masters, strict=True)
+    ]
     for saved, group in zip(sd["param_groups"], opt.optim.param_groups, strict=True):
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
     for master, (new_state, master_shard) in zip(opt.masters, loaded, strict=True):
@@ -105,7 +114,9 @@ def _bucket_state(
     new_state: dict[str, Any] = {}
     master_shard = None
     for name in names:
-        sample = next(states[s.index][name] for s in bucket.slots if name in states.get(s.index, {}))
+        sample = next(
+            states[s.index][name] for s in bucket.slots if name in states.get(s.index, {})
+        )
         if not (isinstance(sample, torch.Tensor) and sample.dim() > 0):
             new_state[name] = copy.deepcopy(sample)
             continue
@@ -117,7 +128,8 @@ def _bucket_state(
             if tuple(value.shape) != tuple(slot.param.shape):
                 raise ValueError(
                     f"state {name!r} of parameter {slot.index} has shape {tuple(value.shape)}, "
-                    f"the parameter has {tuple(slot.param.shape)}; the checkpoint belongs to another model"
+                    f"the parameter has {tuple(slot.param.shape)}; "
+                    "the checkpoint belongs to another model"
                 )
             full[slot.offset - bucket.start : slot.end - bucket.start].copy_(value.reshape(-1))
         shard = full[lo - bucket.start : hi - bucket.start]

@@ -91,7 +91,7 @@ class BaseAccelerator(ABC):
     def available_memory(self) -> int:
         """Bytes of memory currently free on the device."""
 
-    def empty_cache(self) -> None:
+    def empty_cache(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release cached allocator blocks (no-op where nothing is cached)."""
 
     # ---- misc ---------------------------------------------------------------------------

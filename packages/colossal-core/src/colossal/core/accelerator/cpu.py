@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from colossal.core.accelerator.base import BaseAccelerator, NoOpEvent, NoOpStream, noop_stream_context
+from colossal.core.accelerator.base import (
+    BaseAccelerator,
+    NoOpEvent,
+    NoOpStream,
+    noop_stream_context,
+)
 
 _STATUS = "/proc/self/status"
 

@@ -114,8 +114,12 @@ def all_reduce(
 ) -> CommWork | None:
     """Reduce ``tensor`` in place across ``group``."""
     return _run(
-        "all_reduce", group, _nbytes(tensor), _dtype(tensor),
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op,
+        "all_reduce",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        async_op,
     )
 
 
@@ -128,8 +132,12 @@ def reduce(
 ) -> CommWork | None:
     """Reduce ``tensor`` onto global rank ``dst``."""
     return _run(
-        "reduce", group, _nbytes(tensor), _dtype(tensor),
-        lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), async_op,
+        "reduce",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
+        async_op,
     )
 
 
@@ -160,7 +168,10 @@ def reduce_scatter(
         )
     if not _emulate_with_all_reduce(algorithm, group):
         return _run(
-            "reduce_scatter", group, _nbytes(input), _dtype(input),
+            "reduce_scatter",
+            group,
+            _nbytes(input),
+            _dtype(input),
             lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
             async_op,
         )
@@ -171,8 +182,13 @@ def reduce_scatter(
         flat_out.copy_(flat_in[start : start + flat_out.numel()])
 
     return _run(
-        "reduce_scatter", group, _nbytes(input), _dtype(input),
-        lambda: dist.all_reduce(flat_in, op=op, group=group, async_op=async_op), async_op, copy_slice,
+        "reduce_scatter",
+        group,
+        _nbytes(input),
+        _dtype(input),
+        lambda: dist.all_reduce(flat_in, op=op, group=group, async_op=async_op),
+        async_op,
+        copy_slice,
     )
 
 
@@ -204,22 +220,34 @@ def all_gather(
         )
     if not _emulate_with_all_reduce(algorithm, group):
         return _run(
-            "all_gather", group, _nbytes(output), _dtype(output),
-            lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op,
+            "all_gather",
+            group,
+            _nbytes(output),
+            _dtype(output),
+            lambda: _all_gather_flat(output, input, group=group, async_op=async_op),
+            async_op,
         )
     start = key.index(dist.get_rank()) * input.numel()
     flat_out = output.view(-1)
     n = input.numel()
     target = flat_out[start : start + n]
     in_place = input.is_contiguous() and input.data_ptr() == target.data_ptr()
-    mine = input.reshape(-1).clone() if not in_place and _overlaps(input, output) else input.reshape(-1)
+    mine = (
+        input.reshape(-1).clone()
+        if not in_place and _overlaps(input, output)
+        else input.reshape(-1)
+    )
     flat_out[:start].zero_()
     flat_out[start + n :].zero_()
     if not in_place:
         target.copy_(mine)
     return _run(
-        "all_gather", group, _nbytes(output), _dtype(output),
-        lambda: dist.all_reduce(flat_out, group=group, async_op=async_op), async_op,
+        "all_gather",
+        group,
+        _nbytes(output),
+        _dtype(output),
+        lambda: dist.all_reduce(flat_out, group=group, async_op=async_op),
+        async_op,
     )
 
 
@@ -236,8 +264,12 @@ def broadcast(
 ) -> CommWork | None:
     """Broadcast ``tensor`` from global rank ``src`` to every rank of ``group``."""
     return _run(
-        "broadcast", group, _nbytes(tensor), _dtype(tensor),
-        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op,
+        "broadcast",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+        async_op,
     )
 
 
@@ -251,10 +283,17 @@ def all_to_all(
 ) -> CommWork | None:
     """Scatter slices of ``input`` to every rank and gather theirs into ``output``."""
     return _run(
-        "all_to_all", group, _nbytes(input), _dtype(input),
+        "all_to_all",
+        group,
+        _nbytes(input),
+        _dtype(input),
         lambda: dist.all_to_all_single(
-            output, input, output_split_sizes=output_split_sizes,
-            input_split_sizes=input_split_sizes, group=group, async_op=async_op,
+            output,
+            input,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=group,
+            async_op=async_op,
         ),
         async_op,
     )
@@ -267,28 +306,56 @@ def barrier(group: ProcessGroup | None = None) -> None:
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking)."""
-    _run("send", group, _nbytes(tensor), _dtype(tensor),
-         lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
+    _run(
+        "send",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.send(tensor, dst=dst, group=group, tag=tag),
+        False,
+    )
 
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     """Receive into ``tensor`` from global rank ``src`` (blocking)."""
-    _run("recv", group, _nbytes(tensor), _dtype(tensor),
-         lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
+    _run(
+        "recv",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.recv(tensor, src=src, group=group, tag=tag),
+        False,
+    )
 
 
-def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> CommWork:
+def isend(
+    tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0
+) -> CommWork:
     """Start sending ``tensor`` to global rank ``dst``."""
-    work = _run("send", group, _nbytes(tensor), _dtype(tensor),
-                lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True)
+    work = _run(
+        "send",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),
+        True,
+    )
     assert work is not None
     return work
 
 
-def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> CommWork:
+def irecv(
+    tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0
+) -> CommWork:
     """Start receiving into ``tensor`` from global rank ``src``."""
-    work = _run("recv", group, _nbytes(tensor), _dtype(tensor),
-                lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True)
+    work = _run(
+        "recv",
+        group,
+        _nbytes(tensor),
+        _dtype(tensor),
+        lambda: dist.irecv(tensor, src=src, group=group, tag=tag),
+        True,
+    )
     assert work is not None
     return work
 
@@ -345,7 +412,9 @@ def broadcast_object(obj: Any, src: int, group: ProcessGroup | None = None) -> A
     """Broadcast a picklable object from global rank ``src``; every rank returns it."""
     key = group_ranks(group)
     box = [obj]
-    record("broadcast_object", key, len(pickle.dumps(obj)) if dist.get_rank() == src else 0, "object")
+    record(
+        "broadcast_object", key, len(pickle.dumps(obj)) if dist.get_rank() == src else 0, "object"
+    )
     with comm_guard("broadcast_object", key):
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -34,14 +34,27 @@ class Precision(str, enum.Enum):
         for precision, value in _DTYPES.items():
             if value == dtype:
                 return precision
-        raise ValueError(f"no training precision for dtype {dtype}; use float32, float16 or bfloat16")
+        raise ValueError(
+            f"no training precision for dtype {dtype}; use float32, float16 or bfloat16"
+        )
 
 
-_DTYPES = {Precision.FP32: torch.float32, Precision.FP16: torch.float16, Precision.BF16: torch.bfloat16}
+_DTYPES = {
+    Precision.FP32: torch.float32,
+    Precision.FP16: torch.float16,
+    Precision.BF16: torch.bfloat16,
+}
 _ALIASES = {
-    "fp32": Precision.FP32, "float32": Precision.FP32, "float": Precision.FP32, "32": Precision.FP32,
-    "fp16": Precision.FP16, "float16": Precision.FP16, "half": Precision.FP16, "16": Precision.FP16,
-    "bf16": Precision.BF16, "bfloat16": Precision.BF16,
+    "fp32": Precision.FP32,
+    "float32": Precision.FP32,
+    "float": Precision.FP32,
+    "32": Precision.FP32,
+    "fp16": Precision.FP16,
+    "float16": Precision.FP16,
+    "half": Precision.FP16,
+    "16": Precision.FP16,
+    "bf16": Precision.BF16,
+    "bfloat16": Precision.BF16,
 }
 
 
@@ -57,7 +70,10 @@ def parse_precision(value: str | torch.dtype | Precision) -> Precision:
     if isinstance(value, torch.dtype):
         return Precision.from_dtype(value)
     if not isinstance(value, str):
-        raise TypeError(f"precision must be a string like 'bf16' or a torch.dtype, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            "precision must be a string like 'bf16' or a torch.dtype, "
+            f"got {type(value).__name__} {value!r}"
+        )
     key = value.strip().lower().removeprefix("torch.")
     if key not in _ALIASES:
         raise ValueError(f"unknown precision {value!r}; choose one of 'fp32', 'fp16', 'bf16'")

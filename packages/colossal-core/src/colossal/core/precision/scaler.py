@@ -109,8 +109,13 @@ class DynamicGradScaler:
         max_scale: float = 2**32,
     ) -> None:
         self.config = ScalerConfig(
-            float(initial_scale), float(min_scale), float(growth_factor), float(backoff_factor),
-            growth_interval, hysteresis, float(max_scale),
+            float(initial_scale),
+            float(min_scale),
+            float(growth_factor),
+            float(backoff_factor),
+            growth_interval,
+            hysteresis,
+            float(max_scale),
         )
         self._scale = self.config.initial_scale
         self._growth_step = 0

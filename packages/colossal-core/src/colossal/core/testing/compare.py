@@ -14,7 +14,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - e)) / denom
 
 
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str = "tensor") -> None:
+def assert_rel_close(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float, name: str = "tensor"
+) -> None:
     """Fail when the relative error of ``actual`` exceeds ``rtol``."""
     err = relative_error(actual, expected)
     if not err <= rtol:

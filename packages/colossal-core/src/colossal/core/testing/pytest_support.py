@@ -40,7 +40,9 @@ def distributed_test(
 
         params = list(inspect.signature(fn).parameters.values())
         if [p.name for p in params[:2]] != ["rank", "world_size"]:
-            raise TypeError(f"{fn.__name__} must take (rank, world_size, ...) as its first arguments")
+            raise TypeError(
+                f"{fn.__name__} must take (rank, world_size, ...) as its first arguments"
+            )
         module = sys.modules[fn.__module__]
         hidden = f"_distributed_impl_{fn.__name__}"
         test_name, test_qualname = fn.__name__, fn.__qualname__

@@ -24,8 +24,12 @@ class DistributedTestError(RuntimeError):
     """A rank raised, died or hung while running a spawned function."""
 
 
-class _PortInUse(DistributedTestError):
+class _PortInUseError(DistributedTestError):
     pass
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", repr(fn))
 
 
 def free_port() -> int:
@@ -47,13 +51,25 @@ def _worker(
     backend: str,
 ) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     ok = False
     try:
-        launch(rank, world_size, "127.0.0.1", port, backend=backend, timeout=comm_timeout, verbose=False)
+        launch(
+            rank,
+            world_size,
+            "127.0.0.1",
+            port,
+            backend=backend,
+            timeout=comm_timeout,
+            verbose=False,
+        )
         value = fn(rank, world_size, *args, **kwargs)
         dist.barrier()
         # Plain pickle: torch's multiprocessing reducers would share tensors through file
@@ -97,8 +113,13 @@ def _terminate(procs: Sequence[mp.process.BaseProcess]) -> None:
 
 
 def _spawn_once(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any], kwargs: Mapping[str, Any],
-    timeout: float, comm_timeout: float, backend: str,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    timeout: float,
+    comm_timeout: float,
+    backend: str,
 ) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
@@ -106,7 +127,17 @@ def _spawn_once(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, tuple(args), dict(kwargs), results, comm_timeout, backend),
+            args=(
+                rank,
+                world_size,
+                port,
+                fn,
+                tuple(args),
+                dict(kwargs),
+                results,
+                comm_timeout,
+                backend,
+            ),
             name=f"colossal-rank{rank}",
             daemon=True,
         )
@@ -125,15 +156,17 @@ def _spawn_once(
                 if time.monotonic() > deadline:
                     waiting = [r for r in range(world_size) if r not in values]
                     raise DistributedTestError(
-                        f"{getattr(fn, '__name__', fn)} timed out after {timeout:.0f} s at world size "
+                        f"{_name(fn)} timed out after {timeout:.0f} s at world size "
                         f"{world_size}; ranks {waiting} had not finished"
                     ) from None
                 continue
             if kind == "error":
-                exc = _PortInUse if any(m in payload for m in _PORT_IN_USE_MARKERS) else DistributedTestError
-                raise exc(
-                    f"rank {rank} of {world_size} failed in {getattr(fn, '__name__', fn)}:\n{payload}"
+                exc = (
+                    _PortInUseError
+                    if any(m in payload for m in _PORT_IN_USE_MARKERS)
+                    else DistributedTestError
                 )
+                raise exc(f"rank {rank} of {world_size} failed in {_name(fn)}:\n{payload}")
             values[rank] = pickle.loads(payload)
     finally:
         _terminate(procs)
@@ -141,7 +174,9 @@ def _spawn_once(
     return [values[r] for r in range(world_size)]
 
 
-def _check_dead(procs: Sequence[mp.process.BaseProcess], values: dict[int, Any], results: Any) -> None:
+def _check_dead(
+    procs: Sequence[mp.process.BaseProcess], values: dict[int, Any], results: Any
+) -> None:
     for rank, p in enumerate(procs):
         if rank in values or p.exitcode is None or p.exitcode == 0:
             continue
@@ -197,5 +232,5 @@ def spawn(
     kwargs = kwargs or {}
     try:
         return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)
-    except _PortInUse:
+    except _PortInUseError:
         return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)

@@ -79,3 +79,23 @@ def test_overlap_and_comm_dtype(rank: int, world_size: int, overlap: bool) -> No
     _, ref = reference(3)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert relative_error(p, q) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@distributed_test(2, 4)
+def test_allgather_overlapped_with_next_forward(rank: int, world_size: int, stage: int) -> None:
+    model = make_model()
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=40,
+        overlap_allgather=True,
+    )
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)))
+        opt.step()
+        assert opt.gatherer._pending, "step waited for the all-gather instead of deferring it"
+    opt.wait_params()
+    _, ref = reference(STEPS, kind="sgd")
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert relative_error(p, q) <= 1e-5

@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from colossal.core import DynamicGradScaler, OptimizerWrapper
-from colossal.core.comm import CommWork, all_gather, broadcast, group_ranks
+from colossal.core.comm import broadcast, group_ranks
 from colossal.core.precision import Precision
 from colossal.zero.config import ZeroConfig
 from colossal.zero.grad_norm import global_norm, local_norm_term
 from colossal.zero.layout import Bucket, GroupLayout, plan_layout
 from colossal.zero.memory import MemoryReport
+from colossal.zero.param_gather import ParamGatherer
 from colossal.zero.reducer import GradReducer
 from colossal.zero.state_dict import gather_state_dict, scatter_state_dict
 
@@ -58,6 +59,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         master_weights: Keep fp32 master weights for fp16/bf16 parameters.
         tp_process_group: Extra group the gradient norm is summed over (tensor parallel).
         pp_process_group: Extra group the gradient norm is summed over (pipeline stages).
+        overlap_allgather: Return from ``step`` before the parameter all-gather ends and let
+            the next forward wait for each module's parameters just in time. Read parameters
+            outside a forward only after :meth:`wait_params`.
         verbose: Log overflows and scale changes at INFO level.
 
     Raises:
@@ -88,6 +92,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         master_weights: bool = True,
         tp_process_group: dist.ProcessGroup | None = None,
         pp_process_group: dist.ProcessGroup | None = None,
+        overlap_allgather: bool = False,
         verbose: bool = False,
     ) -> None:
         super().__init__(optimizer)
@@ -160,6 +165,10 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             for bucket in self.buckets
             for slot in bucket.slots
         ]
+        self.gatherer = ParamGatherer(
+            self.buckets, self.flat_params, self.rank, self.world_size, dp_process_group,
+            overlap_allgather,
+        )
         self._grad_norm: float | None = None
         self._pending_clip: float | None = None
 
@@ -328,6 +337,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """
         if closure is not None:
             raise ValueError("LowLevelZeroOptimizer.step does not take a closure")
+        self.gatherer.wait_all()
         norm = self._compute_norm()
         overflow = not math.isfinite(norm)
         if self.scaler is not None:
@@ -359,21 +369,16 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         return shard.to(device=master.device, dtype=master.dtype).mul_(factor)
 
     def _gather_params(self) -> None:
-        works: list[CommWork | None] = []
-        with torch.no_grad():
-            for bucket, master in zip(self.buckets, self.masters, strict=True):
-                flat = self.flat_params[bucket.group]
-                lo, hi = bucket.shard_range(self.rank, self.world_size)
-                if not self._master_is_view:
-                    flat[lo:hi].copy_(master)
-                if self.world_size > 1:
-                    region = flat[bucket.start : bucket.start + bucket.size]
-                    works.append(
-                        all_gather(region, flat[lo:hi], group=self.dp_group, async_op=True)
-                    )
-        for work in works:
-            if work is not None:
-                work.wait()
+        if not self._master_is_view:
+            with torch.no_grad():
+                for bucket, master in zip(self.buckets, self.masters, strict=True):
+                    lo, hi = bucket.shard_range(self.rank, self.world_size)
+                    self.flat_params[bucket.group][lo:hi].copy_(master)
+        self.gatherer.gather()
+
+    def wait_params(self) -> None:
+        """Block until the parameters are complete (only needed with ``overlap_allgather``)."""
+        self.gatherer.wait_all()
 
     def _finish_step(self) -> None:
         for master in self.masters:
@@ -397,10 +402,12 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         World-size agnostic: load it at any data-parallel size. Under fp16/bf16 with master
         weights the fp32 masters are included as the ``"master_param"`` state.
         """
+        self.gatherer.wait_all()
         return gather_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, at any data-parallel size."""
+        self.gatherer.wait_all()
         scatter_state_dict(self, state_dict)
 
     def memory_report(self) -> MemoryReport:

@@ -1,0 +1,78 @@
+"""Every schedule's loss and gradients equal the unpipelined single-process reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    RTOL,
+    Block,
+    compare_grads,
+    make_stage_manager,
+    mse_to_flipped,
+    reference,
+    split_model,
+)
+from torch import nn
+
+from colossal.core import OptimizerWrapper
+from colossal.core.testing import assert_rel_close, distributed_test
+from colossal.pipeline import (
+    GPipeSchedule,
+    InterleavedSchedule,
+    OneForwardOneBackwardSchedule,
+    ZeroBubbleVPipeScheduler,
+)
+
+# (schedule, chunks) pairs each schedule allows
+CASES = {
+    "gpipe": [1, 2],
+    "1f1b": [1],
+    "interleaved": [1, 2],
+    "zbv": [2],
+}
+
+
+def _schedule(kind: str, sm, chunks: int, num_microbatches: int):
+    if kind == "gpipe":
+        return GPipeSchedule(sm, num_microbatches=num_microbatches)
+    if kind == "1f1b":
+        return OneForwardOneBackwardSchedule(sm, num_microbatches=num_microbatches)
+    if kind == "interleaved":
+        return InterleavedSchedule(sm, chunks, num_microbatches=num_microbatches)
+    return ZeroBubbleVPipeScheduler(sm, 2, num_microbatches=num_microbatches)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+@distributed_test(2, 4)
+def test_matches_reference(rank: int, world_size: int, kind: str) -> None:
+    for chunks in CASES[kind]:
+        for use_optimizer in (False, True):
+            torch.manual_seed(0)
+            layers = nn.ModuleList(Block(8) for _ in range(2 * world_size * chunks + 1))
+            batch = torch.randn(2 * world_size, 8)
+            ref_loss, ref = reference(layers, batch, mse_to_flipped)
+            sm = make_stage_manager(world_size, chunks, zbv=kind == "zbv")
+            model = split_model(layers, sm)
+            schedule = _schedule(kind, sm, chunks, num_microbatches=world_size * 2)
+            opt = (
+                OptimizerWrapper(torch.optim.SGD(layers.parameters(), lr=0.1))
+                if use_optimizer
+                else None
+            )
+            out = schedule.forward_backward_step(
+                model if chunks > 1 else model[0],
+                iter([batch]),
+                mse_to_flipped,
+                optimizer=opt,
+                return_loss=True,
+                return_outputs=True,
+            )
+            what = f"{kind} chunks={chunks} stage={sm.stage}"
+            assert compare_grads(layers, ref, model, what) > 0
+            holds_last = sm.layout.loss_stage() == sm.stage
+            if holds_last:
+                assert_rel_close(out["loss"], ref_loss, RTOL, f"{what}: loss")
+                assert out["outputs"].shape == batch.shape
+            else:
+                assert out["loss"] is None and out["outputs"] is None

@@ -1,0 +1,42 @@
+"""Async tensor file IO: crash-safe safetensors writes in the background, and partial reads.
+
+Files are plain safetensors (readable by ``safetensors.torch.load_file`` and
+``transformers``); numpy is not needed.
+
+Example:
+    >>> from colossal.core.io import AsyncTensorWriter, load_safetensors
+    >>> with AsyncTensorWriter() as writer:
+    ...     handle = writer.save({"w": torch.ones(2, 3)}, "/tmp/w.safetensors")
+    ...     handle.wait()
+    >>> load_safetensors("/tmp/w.safetensors")["w"].shape
+    torch.Size([2, 3])
+"""
+
+from __future__ import annotations
+
+from colossal.core.io.handle import AsyncHandle, ReadHandle, WriteHandle
+from colossal.core.io.reader import (
+    AsyncTensorReader,
+    load_safetensors,
+    load_safetensors_async,
+    read_safetensors_header,
+    read_tensor_slice,
+)
+from colossal.core.io.safetensors_format import SafetensorsHeader, TensorInfo
+from colossal.core.io.writer import AsyncTensorWriter, save_safetensors, save_safetensors_async
+
+__all__ = [
+    "AsyncHandle",
+    "AsyncTensorReader",
+    "AsyncTensorWriter",
+    "ReadHandle",
+    "SafetensorsHeader",
+    "TensorInfo",
+    "WriteHandle",
+    "load_safetensors",
+    "load_safetensors_async",
+    "read_safetensors_header",
+    "read_tensor_slice",
+    "save_safetensors",
+    "save_safetensors_async",
+]

@@ -76,7 +76,9 @@ def _build(config: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     from colossal.zero import LowLevelZeroOptimizer
 
     zero = LowLevelZeroOptimizer(
-        torch.optim.AdamW(model.parameters(), **adam), partition_grad=config.endswith("2")
+        torch.optim.AdamW(model.parameters(), **adam),
+        partition_grad="zero2" in config,
+        overlap_allgather=config.endswith("overlap"),
     )
     return model, zero, zero
 

@@ -7,6 +7,7 @@ import os
 import random
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,20 +116,27 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _read_env(names: Mapping[str, str], launcher: str, hint: str) -> dict[str, str]:
+def _read_env(names: Mapping[str, str], launcher: str, hint: str) -> dict[str, Any]:
+    """Read launcher variables: ``{argument of launch: environment variable}``.
+
+    Every value but ``host`` must be an integer.
+    """
     missing = [env for env in names.values() if env not in os.environ]
     if missing:
         raise RuntimeError(
             f"{launcher}: environment variable(s) {', '.join(missing)} not set; {hint}"
         )
-    return {key: os.environ[env] for key, env in names.items()}
-
-
-def _int_env(values: dict[str, str], key: str, env: str) -> int:
-    try:
-        return int(values[key])
-    except ValueError:
-        raise ValueError(f"environment variable {env}={values[key]!r} is not an integer") from None
+    values: dict[str, Any] = {}
+    for key, env in names.items():
+        raw = os.environ[env]
+        if key == "host":
+            values[key] = raw
+            continue
+        try:
+            values[key] = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {env}={raw!r} is not an integer") from None
+    return values
 
 
 def launch_from_torch(
@@ -145,22 +153,9 @@ def launch_from_torch(
         "host": "MASTER_ADDR",
         "port": "MASTER_PORT",
     }
-    env = _read_env(
-        names,
-        "launch_from_torch",
-        "start the script with `torchrun` or `colossal run`, or call launch(...)",
-    )
-    launch(
-        rank=_int_env(env, "rank", "RANK"),
-        world_size=_int_env(env, "world_size", "WORLD_SIZE"),
-        host=env["host"],
-        port=_int_env(env, "port", "MASTER_PORT"),
-        backend=backend,
-        local_rank=_int_env(env, "local_rank", "LOCAL_RANK"),
-        seed=seed,
-        verbose=verbose,
-        timeout=timeout,
-    )
+    hint = "start the script with `torchrun` or `colossal run`, or call launch(...)"
+    env = _read_env(names, "launch_from_torch", hint)
+    launch(**env, backend=backend, seed=seed, verbose=verbose, timeout=timeout)
 
 
 def launch_from_slurm(
@@ -175,18 +170,11 @@ def launch_from_slurm(
     names = {"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS"}
     if "SLURM_NPROCS" not in os.environ and "SLURM_NTASKS" in os.environ:
         names["world_size"] = "SLURM_NTASKS"
+    if "SLURM_LOCALID" in os.environ:
+        names["local_rank"] = "SLURM_LOCALID"
     env = _read_env(names, "launch_from_slurm", "start the script with `srun`")
-    local = os.environ.get("SLURM_LOCALID")
     launch(
-        rank=_int_env(env, "rank", names["rank"]),
-        world_size=_int_env(env, "world_size", names["world_size"]),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=int(local) if local is not None else None,
-        seed=seed,
-        verbose=verbose,
-        timeout=timeout,
+        **env, host=host, port=port, backend=backend, seed=seed, verbose=verbose, timeout=timeout
     )
 
 
@@ -206,15 +194,7 @@ def launch_from_openmpi(
     }
     env = _read_env(names, "launch_from_openmpi", "start the script with `mpirun`")
     launch(
-        rank=_int_env(env, "rank", names["rank"]),
-        world_size=_int_env(env, "world_size", names["world_size"]),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=_int_env(env, "local_rank", names["local_rank"]),
-        seed=seed,
-        verbose=verbose,
-        timeout=timeout,
+        **env, host=host, port=port, backend=backend, seed=seed, verbose=verbose, timeout=timeout
     )
 
 

@@ -108,7 +108,12 @@ def _run(
         elapsed = time.perf_counter() - start
         if step:
             times.append(elapsed)
-    return {"step_s": statistics.mean(times), "memory": memory, "params": psi, "loss": float(loss)}
+    return {
+        "step_s": statistics.mean(times),
+        "memory": memory,
+        "params": psi,
+        "loss": float(loss.detach()),
+    }
 
 
 def _formula(config: str, psi: int, world: int) -> float | None:

@@ -27,7 +27,7 @@ from colossal.core.comm import (
 from colossal.core.testing import distributed_test
 
 
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "auto"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "rooted", "auto"])
 @distributed_test(1, 2, 4)
 def test_collectives_values_and_bytes(rank: int, world_size: int, algorithm: str) -> None:
     world = tuple(range(world_size))
@@ -157,7 +157,7 @@ def test_helpers_need_initialized_dist() -> None:
         all_reduce(torch.ones(1))
 
 
-@pytest.mark.parametrize("algorithm", ["native", "all_reduce"])
+@pytest.mark.parametrize("algorithm", ["native", "all_reduce", "rooted"])
 @distributed_test(2, 4)
 def test_async_and_in_place_gather(rank: int, world_size: int, algorithm: str) -> None:
     n = 5

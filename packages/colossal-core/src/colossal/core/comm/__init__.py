@@ -4,7 +4,6 @@ from colossal.core.comm.errors import CommError
 from colossal.core.comm.ops import (
     CommWork,
     P2POp,
-    all_gather,
     all_gather_object,
     all_reduce,
     all_to_all,
@@ -17,12 +16,13 @@ from colossal.core.comm.ops import (
     isend,
     recv,
     reduce,
-    reduce_scatter,
     send,
 )
+from colossal.core.comm.sharded import ALGORITHMS, all_gather, reduce_scatter
 from colossal.core.comm.tracker import CommRecord, CommStats, CommTracker
 
 __all__ = [
+    "ALGORITHMS",
     "CommError",
     "CommRecord",
     "CommStats",

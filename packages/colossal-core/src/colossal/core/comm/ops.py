@@ -21,9 +21,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 from colossal.core.comm.errors import comm_guard, require_initialized
 from colossal.core.comm.tracker import GroupKey, record
 
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def group_ranks(group: ProcessGroup | None = None) -> GroupKey:
     """Global ranks of ``group`` (the default group when ``None``)."""
@@ -90,22 +87,6 @@ def _run(
     return None
 
 
-ALGORITHMS = ("auto", "native", "all_reduce")
-
-
-def _emulate_with_all_reduce(algorithm: str, group: ProcessGroup | None) -> bool:
-    """Whether to build reduce-scatter / all-gather from one all-reduce.
-
-    gloo's native reduce-scatter and all-gather take about 1.8x the time of an all-reduce of
-    the same tensor, so on gloo ("auto") both are done with a single all-reduce instead.
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm == "auto":
-        return dist.get_backend(group) == "gloo"
-    return algorithm == "all_reduce"
-
-
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp.RedOpType = ReduceOp.SUM,
@@ -139,124 +120,6 @@ def reduce(
         lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
         async_op,
     )
-
-
-def reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor,  # noqa: A002 - torch's own name
-    op: ReduceOp.RedOpType = ReduceOp.SUM,
-    group: ProcessGroup | None = None,
-    async_op: bool = False,
-    algorithm: str = "auto",
-) -> CommWork | None:
-    """Reduce the flat ``input`` across ``group`` and keep this rank's equal slice in ``output``.
-
-    The contents of ``input`` are unspecified afterwards: on gloo (``algorithm="auto"`` or
-    ``"all_reduce"``) it is all-reduced in place and this rank's slice copied out, which is
-    faster there than gloo's native reduce-scatter. ``"native"`` forces the backend's own.
-
-    Raises:
-        ValueError: ``input`` does not hold exactly ``group size`` slices of ``output``'s size,
-            or an unknown ``algorithm``.
-    """
-    key = group_ranks(group)
-    size = len(key)
-    if input.numel() != output.numel() * size:
-        raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements but the group of {size} ranks "
-            f"needs {size} x output ({output.numel()}) = {size * output.numel()}; pad the input"
-        )
-    if not _emulate_with_all_reduce(algorithm, group):
-        return _run(
-            "reduce_scatter",
-            group,
-            _nbytes(input),
-            _dtype(input),
-            lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
-            async_op,
-        )
-    start = key.index(dist.get_rank()) * output.numel()
-    flat_in, flat_out = input.view(-1), output.view(-1)
-
-    def copy_slice() -> None:
-        flat_out.copy_(flat_in[start : start + flat_out.numel()])
-
-    return _run(
-        "reduce_scatter",
-        group,
-        _nbytes(input),
-        _dtype(input),
-        lambda: dist.all_reduce(flat_in, op=op, group=group, async_op=async_op),
-        async_op,
-        copy_slice,
-    )
-
-
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,  # noqa: A002 - torch's own name
-    group: ProcessGroup | None = None,
-    async_op: bool = False,
-    algorithm: str = "auto",
-) -> CommWork | None:
-    """Gather every rank's equal-size ``input`` into the flat ``output`` (rank order).
-
-    On gloo (``algorithm="auto"`` or ``"all_reduce"``) ``output`` is zeroed, this rank's slice
-    written and the whole summed with one all-reduce, faster there than gloo's native
-    all-gather; the values are exact (adding zeros), except that ``-0.0`` arrives as ``0.0``.
-    ``input`` may be a view into ``output``. ``"native"`` forces the backend's own.
-
-    Raises:
-        ValueError: ``output`` does not hold exactly ``group size`` copies of ``input``'s size,
-            or an unknown ``algorithm``.
-    """
-    key = group_ranks(group)
-    size = len(key)
-    if output.numel() != input.numel() * size:
-        raise ValueError(
-            f"all_gather: output has {output.numel()} elements but the group of {size} ranks "
-            f"gathers {size} x input ({input.numel()}) = {size * input.numel()}; gloo cannot "
-            "gather uneven sizes, pad the inputs to equal size"
-        )
-    if not _emulate_with_all_reduce(algorithm, group):
-        return _run(
-            "all_gather",
-            group,
-            _nbytes(output),
-            _dtype(output),
-            lambda: _all_gather_flat(output, input, group=group, async_op=async_op),
-            async_op,
-        )
-    start = key.index(dist.get_rank()) * input.numel()
-    flat_out = output.view(-1)
-    n = input.numel()
-    target = flat_out[start : start + n]
-    in_place = input.is_contiguous() and input.data_ptr() == target.data_ptr()
-    mine = (
-        input.reshape(-1).clone()
-        if not in_place and _overlaps(input, output)
-        else input.reshape(-1)
-    )
-    flat_out[:start].zero_()
-    flat_out[start + n :].zero_()
-    if not in_place:
-        target.copy_(mine)
-    return _run(
-        "all_gather",
-        group,
-        _nbytes(output),
-        _dtype(output),
-        lambda: dist.all_reduce(flat_out, group=group, async_op=async_op),
-        async_op,
-    )
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + _nbytes(a), b0 + _nbytes(b)
-    return a0 < b1 and b0 < a1
 
 
 def broadcast(

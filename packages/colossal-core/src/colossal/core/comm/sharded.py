@@ -1,0 +1,187 @@
+"""Reduce-scatter and all-gather of flat tensors, with the algorithm chosen per backend.
+
+gloo's native reduce-scatter and all-gather are slow. Measured here on 16M fp32 elements
+(world 2 / world 4): all-gather 160 / 330 ms native, 107 / 117 ms as one all-reduce, 35 / 69 ms
+as one broadcast per rank; reduce-scatter 183 / 300 ms native, 107 / 117 ms as one all-reduce,
+96 / 96 ms as one reduce per rank. So on gloo ``algorithm="auto"`` uses the *rooted* forms
+(a broadcast or a reduce rooted at each rank for its slice); other backends use their own.
+Whatever the algorithm, the comm tracker records one logical collective and its full size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from colossal.core.comm.ops import CommWork, _dtype, _nbytes, _run, group_ranks
+
+ALGORITHMS = ("auto", "native", "all_reduce", "rooted")
+
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _WorkList:
+    """Several asynchronous operations waited on as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self._works = list(works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> Any:
+        raise NotImplementedError("a rooted collective has no single future; call wait()")
+
+
+def _choose(algorithm: str, group: ProcessGroup | None) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "auto":
+        return "rooted" if dist.get_backend(group) == "gloo" else "native"
+    return algorithm
+
+
+def _rooted(ops: list[Callable[[], Any]], async_op: bool) -> _WorkList | None:
+    works = _WorkList([op() for op in ops])
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 - torch's own name
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    algorithm: str = "auto",
+) -> CommWork | None:
+    """Reduce the flat ``input`` across ``group`` and keep this rank's equal slice in ``output``.
+
+    The contents of ``input`` are unspecified afterwards (the emulated algorithms reduce in
+    place and copy this rank's slice out). ``algorithm``: ``"auto"`` (rooted on gloo, native
+    elsewhere), ``"native"``, ``"all_reduce"`` or ``"rooted"`` (one reduce per rank).
+
+    Raises:
+        ValueError: ``input`` does not hold exactly ``group size`` slices of ``output``'s size,
+            or an unknown ``algorithm``.
+    """
+    key = group_ranks(group)
+    size, n = len(key), output.numel()
+    if input.numel() != n * size:
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements but the group of {size} ranks "
+            f"needs {size} x output ({n}) = {size * n}; pad the input"
+        )
+    chosen = _choose(algorithm, group)
+    record = ("reduce_scatter", group, _nbytes(input), _dtype(input))
+    if chosen == "native":
+        return _run(
+            *record,
+            lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+            async_op,
+        )
+    start = key.index(dist.get_rank()) * n
+    flat_in, flat_out = input.view(-1), output.view(-1)
+
+    def copy_slice() -> None:
+        flat_out.copy_(flat_in[start : start + n])
+
+    if chosen == "all_reduce":
+        issue: Callable[[], Any] = lambda: dist.all_reduce(  # noqa: E731
+            flat_in, op=op, group=group, async_op=async_op
+        )
+    else:
+        issue = (
+            lambda: _rooted(  # noqa: E731
+                [
+                    lambda i=i, g=g: dist.reduce(
+                        flat_in[i * n : (i + 1) * n], dst=g, op=op, group=group, async_op=True
+                    )
+                    for i, g in enumerate(key)
+                ],
+                async_op,
+            )
+        )
+    return _run(*record, issue, async_op, copy_slice)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 - torch's own name
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    algorithm: str = "auto",
+) -> CommWork | None:
+    """Gather every rank's equal-size ``input`` into the flat ``output`` (rank order).
+
+    ``input`` may be a view into ``output`` (at this rank's slot or anywhere else).
+    ``algorithm``: ``"auto"`` (rooted on gloo, native elsewhere), ``"native"``,
+    ``"all_reduce"`` (zero-filled output summed; exact, though ``-0.0`` arrives as ``0.0``) or
+    ``"rooted"`` (one broadcast per rank).
+
+    Raises:
+        ValueError: ``output`` does not hold exactly ``group size`` copies of ``input``'s size,
+            or an unknown ``algorithm``.
+    """
+    key = group_ranks(group)
+    size, n = len(key), input.numel()
+    if output.numel() != n * size:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements but the group of {size} ranks "
+            f"gathers {size} x input ({n}) = {size * n}; gloo cannot "
+            "gather uneven sizes, pad the inputs to equal size"
+        )
+    chosen = _choose(algorithm, group)
+    record = ("all_gather", group, _nbytes(output), _dtype(output))
+    if chosen == "native":
+        return _run(
+            *record,
+            lambda: _all_gather_flat(output, input, group=group, async_op=async_op),
+            async_op,
+        )
+    start = key.index(dist.get_rank()) * n
+    flat_out = output.view(-1)
+    target = flat_out[start : start + n]
+    in_place = input.is_contiguous() and input.data_ptr() == target.data_ptr()
+    if not in_place:
+        mine = input.reshape(-1).clone() if _overlaps(input, output) else input.reshape(-1)
+        target.copy_(mine)
+    if chosen == "all_reduce":
+        flat_out[:start].zero_()
+        flat_out[start + n :].zero_()
+        issue: Callable[[], Any] = lambda: dist.all_reduce(  # noqa: E731
+            flat_out, group=group, async_op=async_op
+        )
+    else:
+        issue = (
+            lambda: _rooted(  # noqa: E731
+                [
+                    lambda i=i, g=g: dist.broadcast(
+                        flat_out[i * n : (i + 1) * n], src=g, group=group, async_op=True
+                    )
+                    for i, g in enumerate(key)
+                ],
+                async_op,
+            )
+        )
+    return _run(*record, issue, async_op)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + _nbytes(a), b0 + _nbytes(b)
+    return a0 < b1 and b0 < a1

@@ -83,36 +83,44 @@ def _build(config: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     return model, zero, zero
 
 
+def _step(module: nn.Module, optim: Any, zero: Any, model: nn.Module, data: torch.Tensor) -> int:
+    """One training step; returns the model-state bytes held after backward."""
+    optim.zero_grad()
+    loss = lm_loss(module, data)
+    if zero is not None:
+        zero.backward(loss)
+        memory = zero.memory_report().total
+    else:
+        loss.backward()
+        memory = _torch_model_state(model, optim)
+    optim.step()
+    return memory
+
+
 def _run(
-    rank: int, world_size: int, config: str, size: str, batch: int, steps: int
-) -> dict[str, Any]:
+    rank: int, world_size: int, configs: list[str], size: str, batch: int, steps: int
+) -> dict[str, dict[str, Any]]:
+    """Train every configuration, alternating step by step so that load changes hit all alike."""
     cfg = GPTConfig.preset(size)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    psi = num_params(model)
-    module, optim, zero = _build(config, model)
-    times, memory = [], 0
+    runs = {}
+    for config in configs:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        runs[config] = (model, *_build(config, model))
+    psi = num_params(next(iter(runs.values()))[0])
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    memory: dict[str, int] = {}
     for step in range(steps + 1):  # step 0 warms up (allocates optimizer states)
         data = random_batch(cfg, batch, seed=1000 * step + rank)
-        dist.barrier()
-        start = time.perf_counter()
-        optim.zero_grad()
-        loss = lm_loss(module, data)
-        if zero is not None:
-            zero.backward(loss)
-            memory = zero.memory_report().total
-        else:
-            loss.backward()
-            memory = _torch_model_state(model, optim)
-        optim.step()
-        elapsed = time.perf_counter() - start
-        if step:
-            times.append(elapsed)
+        for config, (model, module, optim, zero) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            memory[config] = _step(module, optim, zero, model, data)
+            if step:
+                times[config].append(time.perf_counter() - start)
     return {
-        "step_s": statistics.mean(times),
-        "memory": memory,
-        "params": psi,
-        "loss": float(loss.detach()),
+        c: {"step_s": statistics.median(times[c]), "memory": memory[c], "params": psi}
+        for c in configs
     }
 
 
@@ -128,7 +136,7 @@ def _formula(config: str, psi: int, world: int) -> float | None:
 def main() -> None:
     """Run every configuration at every world size, print the table, check the goals."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, world 2, 2 steps")
+    parser.add_argument("--quick", action="store_true", help="small model, world 2, 3 steps")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--model-size", default=None, choices=["tiny", "small", "medium"])
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
@@ -138,23 +146,22 @@ def main() -> None:
     args = parser.parse_args()
     worlds = args.worlds or ([2] if args.quick else [2, 4])
     size = args.model_size or ("small" if args.quick else "medium")
-    steps = args.steps or (2 if args.quick else 3)
+    steps = args.steps or (3 if args.quick else 4)
 
     rows: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []
     for world in worlds:
         base = None
+        print(f"world {world}: {', '.join(args.configs)} ...", file=sys.stderr, flush=True)
+        try:
+            per_rank = spawn(
+                _run, world, args=(args.configs, size, args.batch_size, steps), timeout=3600
+            )
+        except Exception as exc:  # noqa: BLE001 - report the failure as a row, go on
+            rows.append({"world": world, "config": "all", "status": f"failed: {str(exc)[:160]}"})
+            continue
         for config in args.configs:
-            print(f"world {world}: {config} ...", file=sys.stderr, flush=True)
-            try:
-                results = spawn(
-                    _run, world, args=(config, size, args.batch_size, steps), timeout=1800
-                )
-            except Exception as exc:  # noqa: BLE001 - a failed row must not stop the others
-                rows.append(
-                    {"world": world, "config": config, "status": f"failed: {str(exc)[:120]}"}
-                )
-                continue
+            results = [r[config] for r in per_rank]
             step = max(r["step_s"] for r in results)
             memory = max(r["memory"] for r in results)
             psi = results[0]["params"]

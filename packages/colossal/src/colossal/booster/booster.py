@@ -1,0 +1,252 @@
+"""The Booster: assembles a plugin, mixed precision and checkpoint IO around user objects."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from colossal.booster.mixed_precision import MixedPrecision
+from colossal.booster.plugin.base import Plugin
+from colossal.checkpoint_io import CheckpointIO
+from colossal.checkpoint_io.checkpoint_io import record_param_names
+from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Booster"]
+
+
+def _parse_mixed_precision(value: str | MixedPrecision | None) -> MixedPrecision | None:
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, str):
+        if value == "fp32":
+            return None
+        if value not in ("fp16", "bf16"):
+            raise ValueError(
+                f"mixed_precision={value!r} is not supported; use 'fp16', 'bf16', None "
+                "or a MixedPrecision(...)"
+            )
+        return MixedPrecision(value)
+    raise TypeError(
+        f"mixed_precision must be a str, MixedPrecision or None, got {type(value).__name__}"
+    )
+
+
+class Booster:
+    """Boosts a model, optimizer, criterion, dataloader and lr scheduler for training.
+
+    Args:
+        device: Ignored unless no plugin is given (then the model is moved there); the
+            accelerator's device by default.
+        mixed_precision: ``"fp16"``, ``"bf16"``, a :class:`MixedPrecision`, or None. Only for
+            plugins that do not control precision (e.g. ``TorchDDPPlugin``).
+        plugin: The parallelism plugin; None trains the plain model.
+
+    Raises:
+        ValueError: ``mixed_precision`` is given to a plugin that controls precision, or is
+            not supported by the plugin.
+
+    Example:
+        >>> booster = Booster(plugin=TorchDDPPlugin(), mixed_precision="bf16")
+        >>> model, optimizer, criterion, loader, sched = booster.boost(
+        ...     model, optimizer, criterion, loader, sched)
+        >>> booster.backward(loss, optimizer); optimizer.step()
+    """
+
+    def __init__(
+        self,
+        device: str | None = None,
+        mixed_precision: str | MixedPrecision | None = None,
+        plugin: Plugin | None = None,
+    ) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(
+                f"plugin must be a colossal.booster.plugin.Plugin, got {type(plugin).__name__}"
+            )
+        self.plugin = plugin
+        self.mixed_precision = _parse_mixed_precision(mixed_precision)
+        if plugin is not None and self.mixed_precision is not None:
+            if plugin.control_precision():
+                raise ValueError(
+                    f"{type(plugin).__name__} controls precision itself; pass "
+                    f"precision={self.mixed_precision.precision!r} to the plugin instead of "
+                    "mixed_precision to the Booster"
+                )
+            if self.mixed_precision.precision not in plugin.supported_precisions():
+                raise ValueError(
+                    f"{type(plugin).__name__} does not support precision "
+                    f"{self.mixed_precision.precision!r}; supported: "
+                    f"{plugin.supported_precisions()}"
+                )
+        self.device = torch.device(device) if device else get_accelerator().get_current_device()
+        if plugin is not None:
+            self.checkpoint_io = plugin.get_checkpoint_io()
+        else:
+            self.checkpoint_io = CheckpointIO()
+        self._boosted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Wrap the training objects for the plugin and the precision.
+
+        Returns:
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+
+        Raises:
+            ValueError: The model or optimizer was boosted already.
+            TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"boost needs an nn.Module model, got {type(model).__name__}")
+        if isinstance(model, ModelWrapper) or model in self._boosted:
+            raise ValueError(
+                f"{type(model).__name__} was boosted already; boost the original model once "
+                "(create a new model to boost again)"
+            )
+        if optimizer is not None:
+            if isinstance(optimizer, OptimizerWrapper):
+                raise ValueError(
+                    f"{type(optimizer).__name__} was boosted already; pass the plain "
+                    "torch optimizer once"
+                )
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                )
+        self._boosted.add(model)
+        if self.plugin is not None:
+            model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
+                model, optimizer, criterion, dataloader, lr_scheduler
+            )
+        else:
+            model = model.to(self.device)
+            if optimizer is not None:
+                names = record_param_names(optimizer, model)
+                optimizer = OptimizerWrapper(optimizer)
+                optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+        if self.mixed_precision is not None and (
+            self.plugin is None or not self.plugin.control_precision()
+        ):
+            model, optimizer, criterion = self.mixed_precision.configure(
+                model, optimizer, criterion
+            )
+        self._boosted.add(model)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        """Back-propagate ``loss`` through the boosted optimizer (scaling where needed)."""
+        optimizer.backward(loss)
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Callable[..., Any],
+        optimizer: Any = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Run one pipelined forward/backward (plugins with pipeline parallelism only).
+
+        Raises:
+            NotImplementedError: The plugin has no pipeline parallelism.
+        """
+        if self.plugin is None or not self.plugin.support_pipeline():
+            name = type(self.plugin).__name__ if self.plugin is not None else "no plugin"
+            raise NotImplementedError(
+                f"execute_pipeline needs a plugin with pipeline parallelism, got {name}; "
+                "call the model and booster.backward directly"
+            )
+        return self.plugin.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
+    def no_sync(self, model: nn.Module | None = None, optimizer: Any = None) -> Any:
+        """Context for accumulating gradients without communication.
+
+        Raises:
+            NotImplementedError: The plugin does not support it.
+        """
+        if self.plugin is None:
+            return contextlib.nullcontext()
+        if not self.plugin.support_no_sync():
+            raise NotImplementedError(
+                f"{type(self.plugin).__name__} does not support no_sync(); call "
+                "booster.backward for every micro-batch instead"
+            )
+        return self.plugin.no_sync(model, optimizer)  # type: ignore[arg-type]
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = True,
+        use_async: bool = False,
+    ) -> None:
+        """Save the model as a Hugging Face safetensors directory (collective).
+
+        Args:
+            model: The boosted model.
+            checkpoint: Directory (replaced atomically once the save is complete).
+            shard: Split into files of ``size_per_shard`` MB.
+            gather_dtensor: Kept for API compatibility (tensors are always saved full).
+            prefix: Kept for API compatibility.
+            size_per_shard: MB per file when ``shard``.
+            use_safetensors: Must be True.
+            use_async: Return once the tensors are snapshotted; see :meth:`wait_async_saves`.
+        """
+        self.checkpoint_io.save_model(
+            model, checkpoint, shard, size_per_shard, use_safetensors, use_async
+        )
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+        """Load a model directory saved under any plugin and world size."""
+        self.checkpoint_io.load_model(model, checkpoint, strict)
+
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> None:
+        """Save the optimizer state (by parameter name) as a directory (collective)."""
+        self.checkpoint_io.save_optimizer(optimizer, checkpoint, shard, size_per_shard, use_async)
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
+        """Load an optimizer directory saved under any plugin and world size."""
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Save the lr scheduler's state (a JSON file; collective)."""
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Load the lr scheduler's state."""
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+    def wait_async_saves(self) -> None:
+        """Block until every ``use_async`` save is committed on every rank (collective)."""
+        self.checkpoint_io.synchronize()

@@ -1,0 +1,22 @@
+"""Booster plugins. Each plugin module is imported only when its name is first used."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from colossal.booster.plugin.base import DPPluginBase, Plugin
+
+__all__ = ["DPPluginBase", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+
+_LAZY = {
+    "TorchDDPPlugin": "colossal.booster.plugin.torch_ddp",
+    "LowLevelZeroPlugin": "colossal.booster.plugin.low_level_zero",
+    "TorchFSDPPlugin": "colossal.booster.plugin.torch_fsdp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

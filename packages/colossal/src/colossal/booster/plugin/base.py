@@ -1,0 +1,214 @@
+"""The plugin interface every Booster plugin implements."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader, Dataset
+
+from colossal.booster.plugin.dataloader import build_dataloader
+from colossal.lazy import LazyInitContext, is_lazy
+
+if TYPE_CHECKING:
+    from colossal.checkpoint_io import CheckpointIO
+
+__all__ = ["DPPluginBase", "Plugin"]
+
+
+class Plugin(abc.ABC):
+    """Decides how a model, optimizer and dataloader are wrapped for parallel training.
+
+    A plugin states what it supports (precisions, devices, ``no_sync``), wraps the training
+    objects in :meth:`configure`, and gives the checkpoint IO that reads and writes them in
+    Colossal's single checkpoint format.
+    """
+
+    @abc.abstractmethod
+    def supported_devices(self) -> list[str]:
+        """Device types the plugin runs on (``"cpu"``, ``"cuda"``)."""
+
+    @abc.abstractmethod
+    def supported_precisions(self) -> list[str]:
+        """Precisions the plugin (or the booster, for it) can train in."""
+
+    @abc.abstractmethod
+    def control_precision(self) -> bool:
+        """Whether the plugin handles mixed precision itself (then the booster must not)."""
+
+    def control_device(self) -> bool:
+        """Whether the plugin moves the model to its device."""
+        return True
+
+    @abc.abstractmethod
+    def support_no_sync(self) -> bool:
+        """Whether :meth:`no_sync` (gradient accumulation without communication) works."""
+
+    def support_lora(self) -> bool:
+        """Whether LoRA is supported (not yet by any plugin)."""
+        return False
+
+    def control_checkpoint_io(self) -> bool:
+        """Whether the plugin provides its own checkpoint IO."""
+        return True
+
+    def support_pipeline(self) -> bool:
+        """Whether :meth:`execute_pipeline` is available."""
+        return False
+
+    @abc.abstractmethod
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Wrap the training objects for this plugin.
+
+        Returns:
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+        """
+
+    @abc.abstractmethod
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO for models and optimizers boosted by this plugin."""
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+        """Context in which backward passes accumulate gradients without communication.
+
+        Raises:
+            NotImplementedError: The plugin cannot skip gradient synchronisation.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support no_sync(); call backward on every "
+            "micro-batch instead"
+        )
+
+    def execute_pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one pipelined step (only for plugins with pipeline parallelism).
+
+        Raises:
+            NotImplementedError: The plugin has no pipeline parallelism.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no pipeline parallelism, so execute_pipeline is not "
+            "available; use a plugin with pp_size > 1 (HybridParallelPlugin) or call the "
+            "model directly"
+        )
+
+
+class DPPluginBase(Plugin):
+    """A data-parallel plugin: every rank of the group sees a different part of the data.
+
+    Args:
+        dp_group: The data-parallel process group (the whole job when ``None``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+
+    def __init__(self, dp_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(self).__name__} needs torch.distributed initialized first: call "
+                "colossal.core.launch_from_torch() (under torchrun) or launch(...)"
+            )
+        self.dp_group = dp_group
+        self.rank = dist.get_rank(dp_group)
+        self.world_size = dist.get_world_size(dp_group)
+
+    def prepare_dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        distributed_sampler_cls: type | None = None,
+        **kwargs: Any,
+    ) -> DataLoader:
+        """A dataloader whose sampler gives this rank its part of ``dataset``.
+
+        Args:
+            dataset: A map-style dataset.
+            batch_size: Samples per rank per batch.
+            shuffle: Shuffle every epoch (call ``dataloader.sampler.set_epoch(epoch)``).
+            seed: Seed of the shuffle and of the worker processes.
+            drop_last: Drop the last incomplete batch.
+            pin_memory: Pin host memory of the batches.
+            num_workers: Worker processes.
+            distributed_sampler_cls: Sampler class (``DistributedSampler`` by default).
+            **kwargs: Further ``DataLoader`` arguments.
+        """
+        return build_dataloader(
+            dataset,
+            batch_size,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            sampler_cls=distributed_sampler_cls,
+            **kwargs,
+        )
+
+
+def find_module(model: nn.Module, cls: type) -> nn.Module | None:
+    """The first module of type ``cls`` along ``model.module`` wrappers (or None)."""
+    current: Any = model
+    for _ in range(16):
+        if isinstance(current, cls):
+            return current
+        current = getattr(current, "module", None)
+        if not isinstance(current, nn.Module):
+            return None
+    return None
+
+
+def has_lazy_tensors(model: nn.Module) -> bool:
+    """Whether ``model`` was built under a ``LazyInitContext`` and is not materialized."""
+    return any(is_lazy(t) for t in [*model.parameters(), *model.buffers()])
+
+
+def materialize_model(model: nn.Module, optimizer: Optimizer | None) -> None:
+    """Materialize a lazy model in full and point ``optimizer`` at the real parameters."""
+    if not has_lazy_tensors(model):
+        return
+    names = group_param_names(optimizer, model) if optimizer is not None else []
+    LazyInitContext.materialize(model)
+    if optimizer is not None:
+        repoint_optimizer(optimizer, model, names)
+
+
+def group_param_names(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
+    """The model names of each param group's parameters."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [[by_id[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def repoint_optimizer(optimizer: Optimizer, model: nn.Module, names: list[list[str]]) -> None:
+    """Replace the optimizer's parameters by the model's current ones of the same names.
+
+    Raises:
+        ValueError: The optimizer already has state (it must be boosted before stepping).
+    """
+    if optimizer.state:
+        raise ValueError(
+            "boost the optimizer before its first step: its state is not empty, so its "
+            "parameters cannot be replaced by the sharded/materialized ones"
+        )
+    current = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        group["params"] = [current[n] for n in group_names]

@@ -1,0 +1,136 @@
+"""TorchDDPPlugin: torch DistributedDataParallel behind the Booster API."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from colossal.booster.plugin.base import DPPluginBase, find_module, materialize_model
+from colossal.checkpoint_io import CheckpointIO
+from colossal.checkpoint_io.checkpoint_io import record_param_names
+from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DDPConfig", "TorchDDPModel", "TorchDDPPlugin"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Arguments passed to ``DistributedDataParallel`` (validated)."""
+
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+
+class TorchDDPModel(ModelWrapper):
+    """A model wrapped in ``DistributedDataParallel``."""
+
+    def __init__(self, module: nn.Module, config: DDPConfig, process_group: Any = None) -> None:
+        device = next(module.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        super().__init__(
+            DistributedDataParallel(
+                module, device_ids=ids, process_group=process_group, **dataclasses.asdict(config)
+            )
+        )
+
+
+class TorchDDPPlugin(DPPluginBase):
+    """Data parallelism with ``torch.nn.parallel.DistributedDataParallel``.
+
+    Precision is left to the Booster (``Booster(mixed_precision="fp16"|"bf16", ...)``).
+
+    Args:
+        broadcast_buffers: Broadcast buffers from rank 0 at every forward.
+        bucket_cap_mb: Gradient bucket size in MB.
+        find_unused_parameters: Detect parameters that get no gradient.
+        check_reduction: Deprecated DDP flag (kept for API compatibility).
+        gradient_as_bucket_view: Let gradients be views into the buckets.
+        static_graph: The graph does not change between iterations.
+        dp_group: The data-parallel group (the whole job when None).
+
+    Example:
+        >>> plugin = TorchDDPPlugin()
+        >>> booster = Booster(plugin=plugin, mixed_precision="bf16")
+    """
+
+    def __init__(
+        self,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__(dp_group)
+        self.config = DDPConfig(
+            broadcast_buffers,
+            bucket_cap_mb,
+            find_unused_parameters,
+            check_reduction,
+            gradient_as_bucket_view,
+            static_graph,
+        )
+
+    def supported_devices(self) -> list[str]:
+        """CPU and CUDA."""
+        return ["cpu", "cuda"]
+
+    def supported_precisions(self) -> list[str]:
+        """fp32, and fp16/bf16 through the Booster's mixed precision."""
+        return ["fp32", "fp16", "bf16"]
+
+    def control_precision(self) -> bool:
+        """False: the Booster applies mixed precision."""
+        return False
+
+    def support_no_sync(self) -> bool:
+        """True."""
+        return True
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Move the model to the device, wrap it in DDP and the optimizer in a wrapper."""
+        materialize_model(model, optimizer)
+        model = model.to(get_accelerator().get_current_device())
+        if optimizer is not None:
+            names = record_param_names(optimizer, model)
+            optimizer = OptimizerWrapper(optimizer)
+            optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+        model = TorchDDPModel(model, self.config, self.dp_group)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """The default checkpoint IO (every rank holds full tensors)."""
+        return CheckpointIO(self.dp_group)
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync``: gradients accumulate locally until the next synced backward."""
+        ddp = find_module(model, DistributedDataParallel)
+        if ddp is None:
+            raise TypeError(f"no_sync needs the model returned by boost(), got {type(model)}")
+        return ddp.no_sync()  # type: ignore[operator]

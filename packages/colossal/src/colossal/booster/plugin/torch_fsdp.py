@@ -1,0 +1,301 @@
+"""TorchFSDPPlugin: PyTorch FSDP2 (``fully_shard``) behind the Booster API.
+
+Parameters become ``DTensor`` shards (dim 0) over the data-parallel mesh. Checkpoints are the
+same format as every other plugin: full tensors are gathered for saving (written spread over
+the ranks) and each rank reads only its rows when loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from colossal.booster.plugin.base import (
+    DPPluginBase,
+    group_param_names,
+    has_lazy_tensors,
+    repoint_optimizer,
+)
+from colossal.checkpoint_io import CheckpointIO, TensorReader
+from colossal.checkpoint_io.checkpoint_io import param_names, record_param_names, unwrap_model
+from colossal.checkpoint_io.optimizer_state import named_to_indexed
+from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator, parse_precision
+from colossal.core.precision import Precision
+from colossal.lazy import is_lazy, materialize_tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FSDPConfig", "TorchFSDPModel", "TorchFSDPOptimizer", "TorchFSDPPlugin"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPConfig:
+    """Validated settings of :class:`TorchFSDPPlugin`."""
+
+    precision: str = "fp32"
+    reshard_after_forward: bool = True
+    shard_module_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        precision = parse_precision(self.precision)
+        if precision is Precision.FP16:
+            raise ValueError(
+                "TorchFSDPPlugin does not support precision 'fp16' (FSDP2 has no loss "
+                "scaler here); use precision='bf16' or 'fp32', or LowLevelZeroPlugin for fp16"
+            )
+        object.__setattr__(self, "precision", precision.value)
+
+
+class TorchFSDPModel(ModelWrapper):
+    """A model sharded in place by ``fully_shard`` (``unwrap()`` returns it)."""
+
+
+class TorchFSDPOptimizer(OptimizerWrapper):
+    """An optimizer over DTensor parameters; norms are global over the mesh."""
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def get_grad_norm(self, norm_type: float = 2.0) -> float:
+        """Global gradient norm over all shards (collective)."""
+        grads = self._grads()
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip to a global norm (collective); returns the norm before clipping."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        params = [p for p in self._params() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def _local_rows(t: DTensor) -> slice | None:
+    """Rows of the full tensor that this rank's dim-0 shard holds (None: not a dim-0 shard)."""
+    if len(t.placements) != 1 or t.placements[0] != Shard(0) or t.dim() == 0:
+        return None
+    mesh = t.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = t.shape[0]
+    chunk = -(-rows // world)
+    lo = min(rows, rank * chunk)
+    return slice(lo, min(rows, lo + chunk))
+
+
+class FSDPCheckpointIO(CheckpointIO):
+    """Gathers full tensors for saving; loads only this rank's rows of each tensor."""
+
+    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather a DTensor (collective); plain tensors pass through."""
+        return _full(tensor)
+
+    def load_model_state(
+        self, model: nn.Module, targets: dict[str, torch.Tensor], reader: TensorReader
+    ) -> None:
+        """Read the rows each rank keeps (``get_slice``) into its local shards."""
+        with torch.no_grad():
+            for name, target in targets.items():
+                target_local, rows = _target(target)
+                data = reader.read(name, rows)
+                target_local.copy_(data.reshape(target_local.shape))
+
+    def load_optimizer_state(
+        self, optimizer: Any, meta: dict[str, Any], reader: TensorReader
+    ) -> None:
+        """Read each state's rows of this rank and wrap them as DTensors like the params."""
+        names = param_names(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        by_name = dict(zip(names, params, strict=True))
+
+        def read(param_name: str, key: str) -> torch.Tensor:
+            param = by_name[param_name]
+            if isinstance(param, DTensor) and reader.shape(key) == list(param.shape):
+                rows = _local_rows(param)
+                if rows is not None:
+                    local = reader.read(key, rows).to(param.to_local().device)
+                    return DTensor.from_local(
+                        local,
+                        param.device_mesh,
+                        param.placements,
+                        shape=param.shape,
+                        stride=param.stride(),
+                        run_check=False,
+                    )
+            return reader.read(key)
+
+        optimizer.load_state_dict(named_to_indexed(meta, reader.weight_map, names, read))
+
+
+def _full(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    return value
+
+
+def _target(target: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    if isinstance(target, DTensor):
+        rows = _local_rows(target)
+        if rows is None:
+            raise NotImplementedError(
+                f"loading into a DTensor with placements {target.placements} is not supported"
+            )
+        return target.to_local(), rows
+    return target, None
+
+
+def _lazy_recipes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> lazy tensor, for every parameter and buffer (tied names included)."""
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    return {n: t for n, t in named if is_lazy(t)}
+
+
+def _materialize_shards(
+    model: nn.Module, recipes: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Allocate the sharded model and fill each rank's rows, one full tensor at a time."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        named = [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            if name not in recipes:
+                continue
+            full = materialize_tensor(recipes[name])
+            local, rows = _target(tensor)
+            local.copy_(full if rows is None else full[rows])
+            del full
+
+
+def _module_types(model: nn.Module, names: Sequence[str] | None) -> list[nn.Module]:
+    if names is None:  # default: every block of every ModuleList (transformer layers)
+        return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    wanted = set(names)
+    return [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+
+
+class TorchFSDPPlugin(DPPluginBase):
+    """Fully sharded data parallelism with PyTorch FSDP2 (``fully_shard``).
+
+    Args:
+        precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 sharded params and
+            gradient reduction); ``"fp16"`` is refused.
+        reshard_after_forward: Free the gathered parameters after forward (ZeRO-3); False
+            keeps them until backward (ZeRO-2-like).
+        mp_policy: A full ``MixedPrecisionPolicy`` (overrides ``precision``).
+        offload_policy: An FSDP2 ``OffloadPolicy`` (``CPUOffloadPolicy`` needs CUDA).
+        shard_module_types: Class names of submodules sharded as their own units (default:
+            the entries of every ``nn.ModuleList``); the root is always sharded.
+        dp_group: The data-parallel group (the whole job when None).
+    """
+
+    def __init__(
+        self,
+        precision: str = "fp32",
+        reshard_after_forward: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+        shard_module_types: Sequence[str] | None = None,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__(dp_group)
+        self.config = FSDPConfig(
+            precision,
+            bool(reshard_after_forward),
+            tuple(shard_module_types) if shard_module_types is not None else None,
+        )
+        if mp_policy is None and self.config.precision == "bf16":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.offload_policy = offload_policy or OffloadPolicy()
+        self._checkpoint_io = FSDPCheckpointIO(dp_group)
+
+    def supported_devices(self) -> list[str]:
+        """CPU (gloo) and CUDA."""
+        return ["cpu", "cuda"]
+
+    def supported_precisions(self) -> list[str]:
+        """fp32 and bf16."""
+        return ["fp32", "bf16"]
+
+    def control_precision(self) -> bool:
+        """True: FSDP2's mixed-precision policy."""
+        return True
+
+    def support_no_sync(self) -> bool:
+        """True (``set_requires_gradient_sync``)."""
+        return True
+
+    def _mesh(self) -> DeviceMesh:
+        device_type = get_accelerator().get_current_device().type
+        if self.dp_group is None:
+            return init_device_mesh(device_type, (dist.get_world_size(),))
+        return DeviceMesh.from_group(self.dp_group, device_type)
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Shard the model in place and point the optimizer at the sharded parameters."""
+        device = get_accelerator().get_current_device()
+        lazy = has_lazy_tensors(model)
+        recipes = _lazy_recipes(model) if lazy else {}
+        if not lazy:
+            model = model.to(device)
+        names = record_param_names(optimizer, model) if optimizer is not None else []
+        group_names = group_param_names(optimizer, model) if optimizer is not None else []
+        mesh = self._mesh()
+        kwargs = {
+            "mesh": mesh,
+            "reshard_after_forward": self.config.reshard_after_forward,
+            "mp_policy": self.mp_policy,
+            "offload_policy": self.offload_policy,
+        }
+        for module in _module_types(model, self.config.shard_module_types):
+            fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        if lazy:
+            _materialize_shards(model, recipes, device)
+        if optimizer is not None:
+            repoint_optimizer(optimizer, model, group_names)
+            optimizer = TorchFSDPOptimizer(optimizer)
+            optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+        return TorchFSDPModel(model), optimizer, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """Checkpoint IO that gathers DTensors to save and reads row slices to load."""
+        return self._checkpoint_io
+
+    @contextlib.contextmanager
+    def _no_sync(self, module: Any) -> Iterator[None]:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without reduce-scatter until the context exits."""
+        return self._no_sync(unwrap_model(model))

@@ -1,0 +1,347 @@
+"""CheckpointIO: saves and loads models, optimizers and lr schedulers in the one format.
+
+Plugins subclass it and override the four state hooks (how to get full tensors out of a
+boosted model/optimizer and how to put the slices a rank keeps back in); the files, the
+index, sharding, async writing and crash safety live here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from colossal.checkpoint_io.commit import resolve_directory
+from colossal.checkpoint_io.index import CheckpointError, read_index, write_json_atomic
+from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
+from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
+from colossal.core import ModelWrapper, OptimizerWrapper
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODEL_INDEX", "OPTIMIZER_INDEX", "CheckpointIO", "TensorReader"]
+
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+SCHEDULER_FILE = "lr_scheduler.json"
+
+
+class TensorReader:
+    """Reads whole tensors or slices from a checkpoint's shards (``safe_open.get_slice``).
+
+    Args:
+        directory: The checkpoint directory.
+        weight_map: Tensor name -> shard file.
+    """
+
+    def __init__(self, directory: str, weight_map: dict[str, str]) -> None:
+        self.directory = directory
+        self.weight_map = weight_map
+        self._files: dict[str, Any] = {}
+
+    def _open(self, name: str) -> Any:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.directory}")
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(os.path.join(self.directory, file), framework="pt")
+        return self._files[file]
+
+    def read(self, name: str, index: Any = None) -> torch.Tensor:
+        """``tensor[index]`` (the whole tensor when ``index`` is None), read from disk."""
+        handle = self._open(name)
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+
+    def shape(self, name: str) -> list[int]:
+        """The stored shape of ``name``."""
+        return list(self._open(name).get_slice(name).get_shape())
+
+    def close(self) -> None:
+        """Drop the open file handles."""
+        self._files.clear()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside Colossal and torch wrappers."""
+    return model.unwrap() if isinstance(model, ModelWrapper) else model
+
+
+class CheckpointIO:
+    """Checkpoint IO in Colossal's single format; the default suits replicated models.
+
+    Models are saved as Hugging Face safetensors directories (full, unpadded tensors under
+    the module's ``state_dict`` names, tied weights once), optimizers as
+    ``"<param name>.<state name>"`` shards plus JSON (param groups by name, hyper-parameters,
+    steps, loss scaler). Writing is spread over the ranks of ``group``.
+
+    Args:
+        group: The ranks that write and read together (the whole job when None).
+        verify_checksums: Check every file's CRC-32 before loading.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
+        self.group = group
+        self.verify_checksums = verify_checksums
+        self.saver = ShardedSaver(group)
+
+    # ---- hooks for plugins -----------------------------------------------------------------
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Tensors by name, the same names on every rank (full after :meth:`to_full`)."""
+        return unwrap_model(model).state_dict()
+
+    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a possibly sharded one (collective for sharded tensors)."""
+        return tensor
+
+    def load_model_state(
+        self, model: nn.Module, targets: dict[str, torch.Tensor], reader: TensorReader
+    ) -> None:
+        """Copy the checkpoint's tensors into ``targets`` (name -> this rank's tensor)."""
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(reader.read(name))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """A torch-style state dict with full tensors, keyed by parameter index."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, optimizer: Any, meta: dict[str, Any], reader: TensorReader
+    ) -> None:
+        """Load the named checkpoint state into ``optimizer``."""
+        names = param_names(optimizer)
+        state = named_to_indexed(meta, reader.weight_map, names, lambda _p, key: reader.read(key))
+        if not isinstance(optimizer, OptimizerWrapper) or not hasattr(optimizer, "scaler"):
+            state.pop("loss_scaler", None)
+        optimizer.load_state_dict(state)
+
+    # ---- model -----------------------------------------------------------------------------
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = True,
+        use_async: bool = False,
+    ) -> None:
+        """Save ``model`` as the directory ``checkpoint`` (collective).
+
+        Args:
+            model: A boosted (or plain) model.
+            checkpoint: Target directory (replaced atomically when the save completes).
+            shard: Split into files of at most ``size_per_shard`` MB (else one file).
+            size_per_shard: MB per shard.
+            use_safetensors: Must be True: the format is safetensors.
+            use_async: Return after snapshotting to CPU; wait with :meth:`synchronize`.
+
+        Raises:
+            ValueError: ``use_safetensors=False``.
+        """
+        if not use_safetensors:
+            raise ValueError(
+                "Colossal checkpoints are always safetensors; pass use_safetensors=True"
+            )
+        state = _dedupe_tied(self.model_state(model))
+        limit = size_per_shard if shard else float("inf")
+        self.saver.save(
+            state,
+            checkpoint,
+            "model",
+            MODEL_INDEX,
+            limit,
+            use_async=use_async,
+            gather=self.to_full,
+        )
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+        """Load a model directory saved by any plugin at any world size (collective-free).
+
+        Raises:
+            CheckpointError: Incomplete/corrupt checkpoint, missing or unexpected tensors
+                (``strict``), or shapes that differ (another model's checkpoint).
+        """
+        directory = resolve_directory(checkpoint)
+        index = read_index(directory, MODEL_INDEX, self.verify_checksums)
+        reader = TensorReader(directory, index["weight_map"])
+        module = unwrap_model(model)
+        targets, aliases = _load_targets(module.state_dict())
+        saved = set(index["weight_map"])
+        chosen: dict[str, torch.Tensor] = {}
+        missing = []
+        for name, target in targets.items():
+            source = next((a for a in aliases[name] if a in saved), None)
+            if source is None:
+                missing.append(name)
+                continue
+            stored = reader.shape(source)
+            if list(_global_shape(target)) != stored:
+                raise CheckpointError(
+                    f"{source!r} has shape {stored} in {directory} but "
+                    f"{list(_global_shape(target))} in the model: the checkpoint belongs to "
+                    "another model"
+                )
+            chosen[source] = target
+        unexpected = sorted(saved - {a for n in targets for a in aliases[n]})
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"checkpoint {directory} does not match the model: missing {missing[:8]}, "
+                f"unexpected {unexpected[:8]}; load the checkpoint of this model or pass "
+                "strict=False"
+            )
+        self.load_model_state(model, chosen, reader)
+        reader.close()
+
+    # ---- optimizer -------------------------------------------------------------------------
+    def save_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> None:
+        """Save the optimizer's state as the directory ``checkpoint`` (collective)."""
+        tensors, meta = indexed_to_named(self.optimizer_state(optimizer), param_names(optimizer))
+        limit = size_per_shard if shard else float("inf")
+        self.saver.save(
+            tensors,
+            checkpoint,
+            "optimizer",
+            OPTIMIZER_INDEX,
+            limit,
+            extra=meta,
+            use_async=use_async,
+            gather=self.to_full,
+        )
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
+        """Load an optimizer directory saved by any plugin at any world size.
+
+        Raises:
+            CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters.
+        """
+        directory = resolve_directory(checkpoint)
+        index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums)
+        reader = TensorReader(directory, index["weight_map"])
+        self.load_optimizer_state(optimizer, index, reader)
+        reader.close()
+
+    # ---- lr scheduler ----------------------------------------------------------------------
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Save the scheduler's state as JSON (rank 0 writes; collective)."""
+        state = lr_scheduler.state_dict()
+
+        def write() -> None:
+            os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
+            write_json_atomic(checkpoint, _to_json(state))
+
+        run_on_rank0(write, self.group)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Load a scheduler state saved by :meth:`save_lr_scheduler`."""
+        import json
+
+        if not os.path.isfile(checkpoint):
+            raise FileNotFoundError(f"no lr scheduler checkpoint at {checkpoint!r}")
+        with open(checkpoint, encoding="utf-8") as file:
+            lr_scheduler.load_state_dict(json.load(file))
+
+    # ---- async -----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every async save has been committed on every rank (collective)."""
+        self.saver.synchronize()
+
+
+def param_names(optimizer: Any) -> list[str]:
+    """The parameter name of each optimizer index, recorded when the optimizer was boosted.
+
+    Raises:
+        TypeError: The optimizer was not boosted (no names recorded).
+    """
+    names = getattr(optimizer, "colossal_param_names", None)
+    if names is None:
+        raise TypeError(
+            f"{type(optimizer).__name__} has no recorded parameter names; pass the optimizer "
+            "returned by booster.boost(...)"
+        )
+    return list(names)
+
+
+def record_param_names(optimizer: Any, model: nn.Module) -> list[str]:
+    """Record on ``optimizer`` the model name of every parameter, in param-group order.
+
+    Raises:
+        ValueError: The optimizer holds a parameter that is not in ``model``.
+    """
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    groups = optimizer.param_groups
+    names = []
+    for g, group in enumerate(groups):
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ValueError(
+                    f"optimizer param group {g} holds a parameter of shape {tuple(p.shape)} "
+                    "that is not in the model; build the optimizer from model.parameters()"
+                )
+            names.append(by_id[id(p)])
+    return names
+
+
+def _global_shape(t: torch.Tensor) -> torch.Size:
+    return t.shape
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+
+
+def _dedupe_tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen: set[tuple[Any, ...]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = _storage_key(tensor)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+def _load_targets(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Unique tensors to fill, and for each the names it is known by (tied weights)."""
+    first: dict[tuple[Any, ...], str] = {}
+    targets: dict[str, torch.Tensor] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in state.items():
+        key = _storage_key(tensor)
+        if tensor.numel() and key in first:
+            aliases[first[key]].append(name)
+            continue
+        first[key] = name
+        targets[name] = tensor
+        aliases[name] = [name]
+    return targets, aliases
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Callable):  # type: ignore[arg-type]
+        return None
+    return value

@@ -1,0 +1,181 @@
+"""Checkpoint index files: shard planning, file sizes and checksums, validation.
+
+A model directory follows the Hugging Face layout (``model.safetensors`` or
+``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``); the index also
+records, per file, its size in bytes and CRC-32, so an incomplete or corrupt checkpoint is
+refused before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "crc32_from_tensors",
+    "file_crc32",
+    "plan_shards",
+    "read_index",
+    "shard_file_names",
+    "write_json_atomic",
+]
+
+FORMAT_VERSION = 1
+"""Version of Colossal's checkpoint format, stored in every index."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit what it is loaded into."""
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Split names into consecutive shards of at most ``max_bytes`` (a larger tensor alone).
+
+    Args:
+        sizes: ``(name, nbytes)`` in file order.
+        max_bytes: Byte budget of one shard (> 0).
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"size_per_shard must be > 0 MB, got {max_bytes} bytes")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(prefix: str, count: int) -> list[str]:
+    """``prefix.safetensors`` for one shard, else ``prefix-0000k-of-0000n.safetensors``."""
+    if count == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def file_crc32(path: str, chunk: int = 16 * 1024 * 1024) -> str:
+    """CRC-32 of a file's bytes, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb") as file:
+        while True:
+            data = file.read(chunk)
+            if not data:
+                break
+            crc = zlib.crc32(data, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def crc32_from_tensors(path: str, tensors: Mapping[str, Any]) -> str | None:
+    """CRC-32 of a just-written safetensors file, from its header and the in-memory tensors.
+
+    Avoids reading the data back from disk (direct-IO writes bypass the page cache). Returns
+    None when numpy is unavailable or the tensors do not match the header.
+    """
+    try:
+        import numpy  # noqa: F401 - only needed for a zero-copy byte view
+    except ImportError:
+        return None
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        length = int.from_bytes(prefix, "little")
+        header_bytes = file.read(length)
+    header = json.loads(header_bytes)
+    entries = sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"),
+        key=lambda kv: kv[1]["data_offsets"][0],
+    )
+    crc = zlib.crc32(header_bytes, zlib.crc32(prefix))
+    for name, info in entries:
+        tensor = tensors.get(name)
+        if tensor is None:
+            return None
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(_uint8()).numpy()
+        begin, end = info["data_offsets"]
+        if data.nbytes != end - begin:
+            return None
+        crc = zlib.crc32(data, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write JSON to ``path`` via a temporary file, fsync and rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as file:
+        json.dump(obj, file, indent=2, sort_keys=False)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
+def read_index(directory: str, index_name: str, verify_checksums: bool = True) -> dict[str, Any]:
+    """Read and validate an index: every file present, of the recorded size and checksum.
+
+    Args:
+        directory: The checkpoint directory.
+        index_name: The index file name inside it.
+        verify_checksums: Also compare each file's CRC-32 (reads every file once).
+
+    Returns:
+        The parsed index.
+
+    Raises:
+        CheckpointError: The index or a file is missing, or a size/checksum differs.
+    """
+    path = os.path.join(directory, index_name)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{path} does not exist: {directory!r} is not a complete Colossal checkpoint "
+            "(was the save interrupted, or is this the wrong directory?)"
+        )
+    try:
+        with open(path, encoding="utf-8") as file:
+            index = json.load(file)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}); the checkpoint is corrupt"
+        ) from err
+    files: Mapping[str, Any] = index.get("metadata", {}).get("files", {})
+    weight_map: Mapping[str, str] = index.get("weight_map", {})
+    missing = sorted(set(weight_map.values()) - set(files))
+    if missing:
+        raise CheckpointError(f"{path} maps tensors to files it does not describe: {missing}")
+    for name, info in files.items():
+        _check_file(os.path.join(directory, name), info, verify_checksums)
+    return index
+
+
+def _check_file(path: str, info: Mapping[str, Any], verify_checksums: bool) -> None:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+    size = os.path.getsize(path)
+    if size != info.get("size"):
+        raise CheckpointError(
+            f"checkpoint file {path} has {size} bytes, the index records {info.get('size')}: "
+            "the file is truncated or corrupt"
+        )
+    if verify_checksums and "crc32" in info:
+        crc = file_crc32(path)
+        if crc != info["crc32"]:
+            raise CheckpointError(
+                f"checkpoint file {path} has CRC-32 {crc}, the index records {info['crc32']}: "
+                "the file is corrupt"
+            )

@@ -1,0 +1,251 @@
+"""Spread a save of named full tensors over the ranks, sync or async, into a staging dir.
+
+Every rank plans the same shards; each shard is written by the rank that has written the
+fewest bytes so far (the same choice on every rank). When its
+files are durable a rank records their sizes and checksums in ``rank<r>.meta.json``; rank 0
+waits for all of them, writes the index and swaps the directory in (:mod:`.commit`). With
+``use_async`` the tensors are snapshotted to CPU and all of this happens in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal.checkpoint_io.commit import commit_directory, staging_directory
+from colossal.checkpoint_io.index import (
+    FORMAT_VERSION,
+    crc32_from_tensors,
+    file_crc32,
+    plan_shards,
+    shard_file_names,
+    write_json_atomic,
+)
+from colossal.core.comm import barrier
+from colossal.core.io import AsyncTensorWriter, WriteHandle
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedSaver"]
+
+META_WAIT_SECONDS = 1800.0
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ShardedSaver:
+    """Writes checkpoints of named tensors over all ranks of ``group``.
+
+    Args:
+        group: The ranks that share the writing (the whole job when None).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._writer: AsyncTensorWriter | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colossal-ckpt")
+        self._pending: list[Future[None]] = []
+        self._pending_paths: dict[str, Future[None]] = {}
+        self._bytes_written: list[int] = []
+
+    @property
+    def writer(self) -> AsyncTensorWriter:
+        """The background safetensors writer (created on first use)."""
+        if self._writer is None:
+            self._writer = AsyncTensorWriter()
+        return self._writer
+
+    def save(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        path: str,
+        prefix: str,
+        index_name: str,
+        size_per_shard_mb: float,
+        extra: Mapping[str, Any] | None = None,
+        use_async: bool = False,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Save ``tensors`` (the same names on every rank) as a sharded directory ``path``.
+
+        Collective over the group. ``extra`` is merged into the index JSON. ``gather`` turns
+        a (possibly sharded) tensor into the full one; every rank calls it for every tensor in
+        the same order, and only the rank that writes a tensor's file keeps the result.
+        """
+        gather = gather or _identity
+        self._wait_for_path(path)  # an earlier save to the same path must be committed first
+        rank, world = _rank_world(self.group)
+        staging = staging_directory(path)
+        if rank == 0:
+            if os.path.exists(staging):
+                shutil.rmtree(staging)
+            os.makedirs(staging)
+        if world > 1:
+            barrier(self.group)
+        sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
+        limit = size_per_shard_mb * 1024**2
+        shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
+        files = shard_file_names(prefix, len(shards))
+        weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
+        handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]] = []
+        nbytes = dict(sizes)
+        writers = self._assign([sum(nbytes[n] for n in names) for names in shards], world)
+        for writer, file, names in zip(writers, files, shards, strict=True):
+            owner = writer == rank
+            part = {}
+            for n in names:
+                full = gather(tensors[n])  # may be collective: every rank, same order
+                if owner:
+                    part[n] = full.detach()
+            if not owner:
+                continue
+            target = os.path.join(staging, file)
+            handle = self.writer.save(part, target, {"format": "pt"}, copy=use_async)
+            # Sync saves keep the tensors, so the checksum comes from memory, not a re-read.
+            handles.append((file, handle, None if use_async else part))
+        index = {
+            "metadata": {
+                "format": "colossal",
+                "format_version": FORMAT_VERSION,
+                "total_size": sum(s for _, s in sizes),
+                "files": {},
+            },
+            "weight_map": weight_map,
+            **(dict(extra) if extra else {}),
+        }
+        job = _Finalize(path, staging, index_name, index, handles, rank, world)
+        if use_async:
+            future = self._executor.submit(job)
+            self._pending.append(future)
+            self._pending_paths[os.path.abspath(path)] = future
+        else:
+            job()
+            if world > 1:
+                barrier(self.group)
+
+    def synchronize(self) -> None:
+        """Wait for this process's async saves, then for every rank's (collective).
+
+        Raises:
+            The first error of a failed background save.
+        """
+        pending, self._pending = self._pending, []
+        self._pending_paths.clear()
+        errors = []
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+        if pending and _rank_world(self.group)[1] > 1:
+            barrier(self.group)
+        if errors:
+            raise errors[0]
+
+    def _assign(self, shard_bytes: list[int], world: int) -> list[int]:
+        """Writer rank of each shard: the least loaded so far (same answer on every rank)."""
+        if len(self._bytes_written) != world:
+            self._bytes_written = [0] * world
+        writers = []
+        for size in shard_bytes:
+            rank = min(range(world), key=lambda r: (self._bytes_written[r], r))
+            self._bytes_written[rank] += size
+            writers.append(rank)
+        return writers
+
+    def _wait_for_path(self, path: str) -> None:
+        future = self._pending_paths.pop(os.path.abspath(path), None)
+        if future is not None:
+            future.result()  # raises the earlier save's error here
+
+    def has_pending(self) -> bool:
+        """Whether async saves are still pending or unacknowledged."""
+        return bool(self._pending)
+
+    def close(self) -> None:
+        """Finish pending work and stop the background threads."""
+        for future in self._pending:
+            future.result()
+        self._pending = []
+        self._executor.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _Finalize:
+    """Wait for a rank's files, record their metadata; rank 0 writes the index and commits."""
+
+    def __init__(
+        self,
+        path: str,
+        staging: str,
+        index_name: str,
+        index: dict[str, Any],
+        handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]],
+        rank: int,
+        world: int,
+    ) -> None:
+        self.path, self.staging, self.index_name = path, staging, index_name
+        self.index, self.handles, self.rank, self.world = index, handles, rank, world
+
+    def __call__(self) -> None:
+        meta = {}
+        for file, handle, tensors in self.handles:
+            written = handle.wait()
+            crc = crc32_from_tensors(written, tensors) if tensors is not None else None
+            meta[file] = {"size": os.path.getsize(written), "crc32": crc or file_crc32(written)}
+        write_json_atomic(os.path.join(self.staging, f"rank{self.rank}.meta.json"), meta)
+        if self.rank != 0:
+            return
+        files: dict[str, Any] = {}
+        for r in range(self.world):
+            files.update(_wait_for_json(os.path.join(self.staging, f"rank{r}.meta.json")))
+        self.index["metadata"]["files"] = dict(sorted(files.items()))
+        write_json_atomic(os.path.join(self.staging, self.index_name), self.index)
+        for r in range(self.world):
+            os.remove(os.path.join(self.staging, f"rank{r}.meta.json"))
+        commit_directory(self.path)
+        logger.info("checkpoint saved to %s", self.path)
+
+
+def _wait_for_json(path: str, timeout: float = META_WAIT_SECONDS) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{path} did not appear within {timeout:.0f}s: a rank's part of the checkpoint "
+                "was not written (did that rank fail?)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def run_on_rank0(fn: Callable[[], None], group: dist.ProcessGroup | None = None) -> None:
+    """Run ``fn`` on rank 0 of ``group`` and let every rank wait for it (collective)."""
+    rank, world = _rank_world(group)
+    if rank == 0:
+        fn()
+    if world > 1:
+        barrier(group)

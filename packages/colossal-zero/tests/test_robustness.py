@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zero_testlib import batch, local, loss_fn, make_model, make_optimizer
+from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
 from colossal.core.comm import CommTracker
 from colossal.core.testing import distributed_test, relative_error
@@ -140,3 +140,28 @@ def test_bad_input(rank: int, world_size: int) -> None:
     opt.step()
     with pytest.raises(ValueError, match="already has state"):
         LowLevelZeroOptimizer(opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@distributed_test(2)
+def test_plain_loss_backward_then_step(rank: int, world_size: int, stage: int) -> None:
+    # A script that keeps calling loss.backward() still gets reduced gradients at step().
+    model = make_model()
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model, kind="sgd"), partition_grad=stage == 2, reduce_bucket_size=30
+    )
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)).backward()
+        opt.step()
+    _, ref = reference(3, kind="sgd")
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert relative_error(p, q) <= 1e-5
+    if stage == 1:  # a second plain backward on reduced gradients is refused clearly
+        x, y = batch(0)
+        opt.zero_grad()
+        loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)).backward()
+        opt.reducer.flush()
+        with pytest.raises(RuntimeError, match="call optimizer.backward"):
+            loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)).backward()

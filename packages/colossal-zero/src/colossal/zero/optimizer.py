@@ -166,7 +166,11 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             for slot in bucket.slots
         ]
         self.gatherer = ParamGatherer(
-            self.buckets, self.flat_params, self.rank, self.world_size, dp_process_group,
+            self.buckets,
+            self.flat_params,
+            self.rank,
+            self.world_size,
+            dp_process_group,
             overlap_allgather,
         )
         self._grad_norm: float | None = None
@@ -260,6 +264,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """Back-propagate ``loss`` (scaled under fp16) and reduce the gradients."""
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss.float())
+        self.reducer.prepare_backward()
         loss.backward(retain_graph=retain_graph)
         self._after_backward()
 
@@ -269,6 +274,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """Back-propagate from ``tensor`` with gradient ``grad`` (e.g. a pipeline stage)."""
         if self.scaler is not None:
             grad = grad * self.scaler.scale
+        self.reducer.prepare_backward()
         torch.autograd.backward(tensor, grad, retain_graph=retain_graph)
         self._after_backward()
 
@@ -389,9 +395,6 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (working, bucketed and master)."""
         self.reducer.reset()
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                slot.param.grad = None
         for master in self.masters:
             master.grad = None
 

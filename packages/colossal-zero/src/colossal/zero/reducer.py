@@ -83,6 +83,22 @@ class GradReducer:
         ]
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._device = device
+        # Stage 1 with gradients in the parameters' dtype: each param.grad is a view into the
+        # flat buffer, so autograd accumulates in place (no per-step allocation, no copy).
+        param_dtypes = {s.param.dtype for b in self.buckets for s in b.slots}
+        self.grad_views = not partition_grad and param_dtypes == {comm_dtype}
+        if self.grad_views:
+            self._attach_views()
+
+    def _view(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
+        flat = self.flat_grads[bucket.group]
+        assert flat is not None
+        return flat[slot.offset : slot.end].view_as(slot.param)
+
+    def _attach_views(self) -> None:
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.grad = self._view(bucket, slot)
 
     # ---- hooks ---------------------------------------------------------------------------
     def on_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
@@ -91,15 +107,28 @@ class GradReducer:
         if grad is None:
             return
         state = self._states[bucket.order]
-        target = self._region(bucket, slot, state)
-        src = grad.reshape(-1)
-        if slot.index in state.written and not self.partition_grad or slot.index in state.arrived:
-            target.add_(src)
-        else:
-            target.copy_(src)
+        if self.grad_views and state.reduced and not state.cleared:
+            raise RuntimeError(
+                "gradients were accumulated onto already-reduced ones; with LowLevelZeroOptimizer "
+                "call optimizer.backward(loss) for every micro-batch (or use optimizer.no_sync() "
+                "for all but the last), not loss.backward()"
+            )
+        in_place = (
+            self.grad_views
+            and slot.numel
+            and grad.data_ptr() == self._view(bucket, slot).data_ptr()
+        )
+        if not in_place:
+            target = self._region(bucket, slot, state)
+            src = grad.reshape(-1)
+            accumulate = slot.index in state.written and not self.partition_grad
+            if accumulate or slot.index in state.arrived:
+                target.add_(src)
+            else:
+                target.copy_(src)
+            slot.param.grad = self._view(bucket, slot) if self.grad_views else None
         state.written.add(slot.index)
         state.arrived.add(slot.index)
-        slot.param.grad = None
         if self.sync and self.overlap and len(state.arrived) == len(bucket.slots):
             self._launch_ready()
 
@@ -213,8 +242,11 @@ class GradReducer:
         """Before a step: reduce buckets that were not reduced since the last step.
 
         Covers a step after ``no_sync`` backwards only, or a rank whose backward never ran;
-        every rank reaches the same decision because every rank flushes every bucket.
+        every rank reaches the same decision because every rank flushes every bucket. A
+        backward run without :meth:`flush` (plain ``loss.backward()``) is flushed first.
         """
+        if self._pending or any(s.arrived for s in self._states):
+            self.flush()
         if any(s.reduced == 0 for s in self._states):
             previous, self.sync = self.sync, True
             try:
@@ -238,12 +270,30 @@ class GradReducer:
         lo, hi = bucket.shard_range(self.rank, self.world_size)
         return flat[lo:hi]
 
+    def prepare_backward(self) -> None:
+        """Before a backward: stage 1 buckets already reduced in this step keep one copy only."""
+        if self.partition_grad:
+            return
+        for bucket in self.buckets:
+            state = self._states[bucket.order]
+            if state.reduced and not state.cleared:
+                self._clear_others(bucket, state)
+
     def reset(self) -> None:
         """Forget all gradients (zero_grad / after a step)."""
         self.wait()
         self._states = [_BucketState() for _ in self.buckets]
         self.grad_shards = [None] * len(self.buckets)
         self._next = 0
+        if self.grad_views:
+            for flat in self.flat_grads:
+                assert flat is not None
+                flat.zero_()
+            self._attach_views()
+        else:
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    slot.param.grad = None
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now."""

@@ -10,6 +10,7 @@ Whatever the algorithm, the comm tracker records one logical collective and its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,22 +99,24 @@ def reduce_scatter(
     def copy_slice() -> None:
         flat_out.copy_(flat_in[start : start + n])
 
-    if chosen == "all_reduce":
-        issue: Callable[[], Any] = lambda: dist.all_reduce(  # noqa: E731
-            flat_in, op=op, group=group, async_op=async_op
+    def issue() -> Any:
+        if chosen == "all_reduce":
+            return dist.all_reduce(flat_in, op=op, group=group, async_op=async_op)
+        return _rooted(
+            [
+                functools.partial(
+                    dist.reduce,
+                    flat_in[i * n : (i + 1) * n],
+                    dst=g,
+                    op=op,
+                    group=group,
+                    async_op=True,
+                )
+                for i, g in enumerate(key)
+            ],
+            async_op,
         )
-    else:
-        issue = (
-            lambda: _rooted(  # noqa: E731
-                [
-                    lambda i=i, g=g: dist.reduce(
-                        flat_in[i * n : (i + 1) * n], dst=g, op=op, group=group, async_op=True
-                    )
-                    for i, g in enumerate(key)
-                ],
-                async_op,
-            )
-        )
+
     return _run(*record, issue, async_op, copy_slice)
 
 
@@ -161,21 +164,24 @@ def all_gather(
     if chosen == "all_reduce":
         flat_out[:start].zero_()
         flat_out[start + n :].zero_()
-        issue: Callable[[], Any] = lambda: dist.all_reduce(  # noqa: E731
-            flat_out, group=group, async_op=async_op
+
+    def issue() -> Any:
+        if chosen == "all_reduce":
+            return dist.all_reduce(flat_out, group=group, async_op=async_op)
+        return _rooted(
+            [
+                functools.partial(
+                    dist.broadcast,
+                    flat_out[i * n : (i + 1) * n],
+                    src=g,
+                    group=group,
+                    async_op=True,
+                )
+                for i, g in enumerate(key)
+            ],
+            async_op,
         )
-    else:
-        issue = (
-            lambda: _rooted(  # noqa: E731
-                [
-                    lambda i=i, g=g: dist.broadcast(
-                        flat_out[i * n : (i + 1) * n], src=g, group=group, async_op=True
-                    )
-                    for i, g in enumerate(key)
-                ],
-                async_op,
-            )
-        )
+
     return _run(*record, issue, async_op)
 
 

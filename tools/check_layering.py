@@ -85,7 +85,9 @@ LAYERS: dict[str, Layer] = {
     "booster": _layer("colossal", 3, _BELOW_META),
     "checkpoint_io": _layer("colossal", 3, _BELOW_META),
     "lazy": _layer("colossal", 3, _BELOW_META),
-    "cli": _layer("colossal-cli", 4, ["core"], lazy=_META),
+    # DESIGN.md: cli imports core, and the meta-package lazily; `colossal check -i` also shows
+    # the kernel registry, so colossal.kernels (under the meta-package) may be imported lazily.
+    "cli": _layer("colossal-cli", 4, ["core"], lazy=(*_META, "kernels")),
 }
 
 

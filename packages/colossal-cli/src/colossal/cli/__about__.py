@@ -1,0 +1,3 @@
+"""Version of colossal-cli."""
+
+__version__ = "0.1.0"

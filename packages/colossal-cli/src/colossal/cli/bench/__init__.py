@@ -1,0 +1,1 @@
+"""``colossal benchmark``: every plugin configuration on a GPT workload, one subprocess each."""

@@ -1,0 +1,168 @@
+"""``colossal run``: start a training script with torchrun on one node or several over ssh."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+import click
+
+from colossal.cli.hostfile import HostInfo, filter_hosts, parse_host_list, parse_hostfile
+from colossal.cli.launch_command import (
+    LOOPBACK,
+    LaunchSpec,
+    build_node_commands,
+    build_torchrun_command,
+    parse_extra_launch_args,
+)
+from colossal.cli.node_runner import run_local, run_nodes
+
+__all__ = ["LaunchPlan", "plan_launch", "run"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The commands of one ``colossal run``.
+
+    Attributes:
+        local: The torchrun argv when the job runs on this machine only, else None.
+        nodes: ``(hostname, ssh argv)`` per node of a multi-node job (empty when local).
+    """
+
+    local: list[str] | None
+    nodes: list[tuple[str, list[str]]]
+
+
+def _select_hosts(
+    host: str | None,
+    hostfile: str | None,
+    include: str | None,
+    exclude: str | None,
+    num_nodes: int,
+) -> list[HostInfo]:
+    if host is not None and hostfile is not None:
+        raise ValueError("--host and --hostfile cannot be used together; pick one")
+    if host is None and hostfile is None:
+        if include is not None or exclude is not None:
+            raise ValueError("--include/--exclude need a host list: add --host or --hostfile")
+        if num_nodes > 1:
+            raise ValueError(
+                f"--num_nodes {num_nodes} needs the nodes' names: add --host h1,h2 or "
+                "--hostfile FILE"
+            )
+        return []
+    hosts = parse_host_list(host) if host is not None else parse_hostfile(hostfile or "")
+    hosts = filter_hosts(hosts, include, exclude)
+    if num_nodes > 0:
+        if num_nodes > len(hosts):
+            raise ValueError(
+                f"--num_nodes {num_nodes} is more than the {len(hosts)} available hosts "
+                f"({', '.join(h.hostname for h in hosts)})"
+            )
+        hosts = hosts[:num_nodes]
+    return hosts
+
+
+def plan_launch(
+    user_script: str,
+    user_args: tuple[str, ...] = (),
+    *,
+    host: str | None = None,
+    hostfile: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    num_nodes: int = -1,
+    nproc_per_node: int | None = None,
+    master_addr: str | None = None,
+    master_port: int = 29500,
+    ssh_port: int | None = None,
+    extra_launch_args: str | None = None,
+    module: bool = False,
+    workdir: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """Validate ``colossal run``'s options and build its commands (nothing is started).
+
+    Raises:
+        ValueError: Inconsistent options, a malformed hostfile, or a multi-node job without
+            a usable ``master_addr``.
+        FileNotFoundError: The hostfile does not exist.
+    """
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise ValueError(f"--nproc_per_node must be >= 1, got {nproc_per_node}")
+    hosts = _select_hosts(host, hostfile, include, exclude, num_nodes)
+    extra = parse_extra_launch_args(extra_launch_args)
+    local_only = not hosts or (len(hosts) == 1 and hosts[0].hostname in LOOPBACK)
+    if local_only:
+        slots = hosts[0].slots if hosts else None
+        spec = LaunchSpec(
+            user_script, tuple(user_args), nproc_per_node or slots or 1,
+            master_addr or "127.0.0.1", master_port, module, extra,
+        )  # fmt: skip
+        return LaunchPlan(build_torchrun_command(spec), [])
+    if len(hosts) == 1 and master_addr is None:
+        master_addr = hosts[0].hostname  # one remote node rendezvouses with itself
+    spec = LaunchSpec(
+        user_script, tuple(user_args), nproc_per_node or 1, master_addr or "", master_port,
+        module, extra,
+    )  # fmt: skip
+    nodes = build_node_commands(spec, hosts, nproc_per_node, ssh_port, workdir, environ)
+    return LaunchPlan(None, nodes)
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    help="Launch a distributed job with torchrun on this node, or on several nodes over ssh.",
+)
+@click.option("--host", help="Comma-separated hosts to run on, e.g. host1,host2.")
+@click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one host per line.")
+@click.option("--include", help="Only these hosts of the host list (comma-separated).")
+@click.option("--exclude", help="Skip these hosts of the host list (comma-separated).")
+@click.option("--num_nodes", "--num-nodes", type=int, default=-1, show_default=True,
+              help="Use the first K hosts (-1: all).")  # fmt: skip
+@click.option("--nproc_per_node", "--nproc-per-node", type=int, default=None,
+              help="Processes per node [default: the hosts' slots, else 1].")  # fmt: skip
+@click.option("--master_addr", "--master-addr", help="Rendezvous host (required for >1 node).")
+@click.option("--master_port", "--master-port", type=int, default=29500, show_default=True)
+@click.option("--ssh-port", "--ssh_port", type=int, default=None, help="Port of ssh on the nodes.")
+@click.option("--extra_launch_args", "--extra-launch-args",
+              help="More torchrun options as key=value[,key=value].")  # fmt: skip
+@click.option("-m", "module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
+@click.option("--dry_run", "--dry-run", is_flag=True, help="Print the commands, start nothing.")
+@click.argument("user_script")
+@click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
+def run(
+    host: str | None,
+    hostfile: str | None,
+    include: str | None,
+    exclude: str | None,
+    num_nodes: int,
+    nproc_per_node: int | None,
+    master_addr: str | None,
+    master_port: int,
+    ssh_port: int | None,
+    extra_launch_args: str | None,
+    module: bool,
+    dry_run: bool,
+    user_script: str,
+    user_args: tuple[str, ...],
+) -> None:
+    """Click entry point of ``colossal run`` (see :func:`plan_launch`)."""
+    try:
+        plan = plan_launch(
+            user_script, user_args, host=host, hostfile=hostfile, include=include,
+            exclude=exclude, num_nodes=num_nodes, nproc_per_node=nproc_per_node,
+            master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
+            extra_launch_args=extra_launch_args, module=module,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    if dry_run:
+        if plan.local is not None:
+            click.echo(shlex.join(plan.local))
+        for name, argv in plan.nodes:
+            click.echo(f"[{name}] {shlex.join(argv)}")
+        return
+    code = run_local(plan.local) if plan.local is not None else run_nodes(plan.nodes)
+    if code != 0:
+        raise SystemExit(code)

@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from conftest import cli_env, free_port
+
+from colossal.cli.node_runner import run_nodes
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    expected = int(sys.argv[1])
+    assert world == expected, (world, expected)
+    dist.init_process_group("gloo")
+    assert dist.get_rank() == rank and dist.get_world_size() == world
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == world * (world + 1) / 2, t
+    if len(sys.argv) > 2 and rank == int(sys.argv[2]):
+        print(f"rank {rank} fails on purpose", flush=True)
+        sys.exit(3)
+    dist.barrier()
+    print(f"rank {rank}/{world} ok sum={t.item():g}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _script(tmp_path) -> str:
+    path = tmp_path / "ranks.py"
+    path.write_text(RANK_SCRIPT)
+    return str(path)
+
+
+def test_real_run_two_processes(tmp_path, colossal_cmd) -> None:
+    cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           _script(tmp_path), "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0/2 ok sum=3" in done.stdout
+    assert "rank 1/2 ok sum=3" in done.stdout
+
+
+def test_real_run_failure_is_nonzero(tmp_path, colossal_cmd) -> None:
+    cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           _script(tmp_path), "2", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env())
+    assert done.returncode != 0
+    assert "rank 1 fails on purpose" in done.stdout
+
+
+def test_run_nodes_prefixes_and_stops_all_on_failure(tmp_path) -> None:
+    out = tmp_path / "out.txt"
+    marker = tmp_path / "survivor"
+    slow = f"import time; print('up', flush=True); time.sleep(30); open({str(marker)!r}, 'w')"
+    commands = [
+        ("nodeA", [sys.executable, "-c", slow]),
+        ("nodeB", [sys.executable, "-c",
+                   "import time, sys; time.sleep(1); print('bye'); sys.exit(4)"]),
+    ]  # fmt: skip
+    start = time.monotonic()
+    with out.open("w") as f:
+        code = run_nodes(commands, out=f)
+    assert code == 4
+    assert time.monotonic() - start < 15  # nodeA was stopped, not waited for
+    text = out.read_text()
+    assert "[nodeA] up" in text and "[nodeB] bye" in text
+    assert "node nodeB exited with code 4: stopping every node" in text
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_run_nodes_all_succeed(tmp_path) -> None:
+    out = tmp_path / "out.txt"
+    commands = [(f"n{i}", [sys.executable, "-c", f"print('hello {i}')"]) for i in range(3)]
+    with out.open("w") as f:
+        assert run_nodes(commands, out=f) == 0
+    assert sorted(out.read_text().splitlines()) == ["[n0] hello 0", "[n1] hello 1", "[n2] hello 2"]
+
+
+def _wait_for(path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_ctrl_c_stops_every_node(tmp_path) -> None:
+    started = tmp_path / "started"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        textwrap.dedent(f"""
+        import sys
+        from colossal.cli.node_runner import run_nodes
+        sleeper = "import time, pathlib; pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+        sys.exit(run_nodes([("a", [sys.executable, "-c", sleeper]),
+                            ("b", [sys.executable, "-c", "import time; time.sleep(60)"])]))
+    """)
+    )
+    proc = subprocess.Popen([sys.executable, str(driver)], env=cli_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    _wait_for(started)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out
+    assert "interrupted: stopping every node" in out
+    assert time.monotonic() - start < 15
+
+
+def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
+    script = tmp_path / "sleepy.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, pathlib, time
+        pathlib.Path({str(tmp_path)!r}, "rank" + os.environ["RANK"]).write_text(str(os.getpid()))
+        time.sleep(60)
+    """)
+    )
+    cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    _wait_for(tmp_path / "rank0")
+    _wait_for(tmp_path / "rank1")
+    proc.send_signal(signal.SIGINT)  # to the launcher only, as a test cannot press Ctrl-C
+    proc.communicate(timeout=40)
+    assert proc.returncode == 130
+    time.sleep(1)
+    for rank in (0, 1):
+        pid = int((tmp_path / f"rank{rank}").read_text())
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank {rank} survived"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,107 @@
+"""A two-node `colossal run` over ssh to this machine (localhost + 127.0.0.1 as the nodes).
+
+Needs an sshd binary the test can start on a free port with its own keys; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import cli_env, free_port
+from test_run_real import RANK_SCRIPT
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/usr/bin/sshd")
+
+
+def _wait_port(port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def ssh_localhost(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """Start a private sshd; yield (dir with an `ssh` wrapper using its keys, port)."""
+    sshd = next((p for p in SSHD_CANDIDATES if os.access(p, os.X_OK)), None)
+    if sshd is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        pytest.skip("no sshd/ssh/ssh-keygen on this machine (e.g. apt-get install openssh-server)")
+    d = tmp_path / "ssh"
+    d.mkdir(mode=0o700)
+    for key in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
+                       check=True, capture_output=True)  # fmt: skip
+    shutil.copy(d / "user_key.pub", d / "authorized_keys")
+    port = free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\n"
+        f"PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nPermitRootLogin yes\n"
+        f"PidFile {d / 'sshd.pid'}\nPermitUserEnvironment no\n"
+    )
+    os.makedirs("/run/sshd", exist_ok=True) if os.geteuid() == 0 else None
+    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(d / "sshd_config")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        if not _wait_port(port, 10):
+            proc.kill()
+            out = proc.communicate()[0].decode(errors="replace")[-500:]
+            pytest.skip(f"sshd could not be started by the test: {out.strip()}")
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        wrapper = bindir / "ssh"
+        wrapper.write_text(
+            f"#!/bin/sh\nexec {shutil.which('ssh')} -i {d / 'user_key'} -o IdentitiesOnly=yes "
+            f'-o UserKnownHostsFile={d / "known_hosts"} -F /dev/null "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        probe = subprocess.run([str(wrapper), "-o", "BatchMode=yes", "-o",
+                                "StrictHostKeyChecking=accept-new", "-p", str(port),
+                                "127.0.0.1", "true"], capture_output=True, text=True,
+                               timeout=20)  # fmt: skip
+        if probe.returncode != 0:
+            pytest.skip(f"ssh to the test's sshd failed: {probe.stderr.strip()[-300:]}")
+        yield bindir, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = cli_env()
+    env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    cmd = [*colossal_cmd, "run", "--host", "localhost,127.0.0.1", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "--ssh-port", str(port), "--nproc_per_node", "1",
+           str(script), *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=tmp_path)  # fmt: skip
+
+
+def test_two_nodes_over_ssh(tmp_path, colossal_cmd, ssh_localhost) -> None:
+    done = _run(tmp_path, colossal_cmd, *ssh_localhost, "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "[localhost] rank 0/2 ok sum=3" in lines, done.stdout
+    assert "[127.0.0.1] rank 1/2 ok sum=3" in lines, done.stdout
+
+
+def test_failing_node_stops_the_job(tmp_path, colossal_cmd, ssh_localhost) -> None:
+    done = _run(tmp_path, colossal_cmd, *ssh_localhost, "2", "1")
+    assert done.returncode != 0, done.stdout
+    assert "[127.0.0.1] rank 1 fails on purpose" in done.stdout
+    assert "stopping every node" in done.stdout

@@ -115,7 +115,7 @@ def benchmark(
         for cfg in configs:
             console.print(f"{cfg.name}: {cfg.plugin}({cfg.plugin_kwargs})"
                           + (f", mixed_precision={cfg.mixed_precision}"
-                             if cfg.mixed_precision else ""))  # fmt: skip
+                             if cfg.mixed_precision else ""), markup=False)  # fmt: skip
         return
     try:
         settings = BenchSettings(devices, cpu, steps, warmup, model_size, seq_len, batch_size,
@@ -130,7 +130,7 @@ def benchmark(
 
         def done(cfg: BenchConfig, row: dict) -> None:
             progress.advance(task)
-            progress.console.print(f"{cfg.name}: {row['status']}")
+            progress.console.print(f"{cfg.name}: {row['status']}", markup=False)
 
         rows = run_all(configs, settings, on_done=done)
     title = f"colossal benchmark: GPT {model_size}, seq {seq_len}, batch {batch_size}/rank, {where}"
@@ -139,8 +139,9 @@ def benchmark(
         doc = json_document(rows, settings_dict(settings))
         json_path = write_json(output, doc)
         chart = write_chart(Path(output).with_suffix(".png"), rows)
-        console.print(f"wrote {json_path}" + (f" and {chart}" if isinstance(chart, Path) else ""))
+        written = f"wrote {json_path}" + (f" and {chart}" if isinstance(chart, Path) else "")
+        console.print(written, markup=False)
         if not isinstance(chart, Path):
-            console.print(chart)
+            console.print(chart, markup=False)  # "[plot]" is an extra, not rich markup
     if any(r["status"] in ("failed", "timeout") for r in rows):
         raise SystemExit(1)

@@ -22,7 +22,13 @@ from colossal.cli.bench.report import (
     table_cells,
     write_chart,
 )
-from colossal.cli.bench.runner import BenchSettings, failure_row, run_all, worker_command
+from colossal.cli.bench.runner import (
+    BenchSettings,
+    failure_row,
+    reason_from_output,
+    run_all,
+    worker_command,
+)
 from colossal.cli.main import cli
 
 NOW = ["TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin"]
@@ -176,3 +182,55 @@ def test_gpt_sizes() -> None:
     assert set(MODEL_SIZES) == {"tiny", "small", "medium", "gpt2"}
     with pytest.raises(ValueError, match="unknown model size 'huge'"):
         gpt_config("huge", 32)
+
+
+_TORCHRUN_ABORT = """\
+all good on rank 0
+terminate called without an active exception
+E1122 21:36:31 api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 3872)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+worker FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 3871)  (SIGTERM)
+  error_file: <N/A>
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_21:36:31
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 3872)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 3872
+======================================================
+"""
+
+_TORCHRUN_EXCEPTION = """\
+Traceback (most recent call last):
+  File "worker.py", line 3, in <module>
+ValueError: batch size 3 does not divide 4
+[rank1]: ValueError: batch size 3 does not divide 4
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 12)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (_TORCHRUN_ABORT, "rank 1 killed by SIGABRT: terminate called without an active exception"),
+        (_TORCHRUN_EXCEPTION, "rank 1 exit code 1: ValueError: batch size 3 does not divide 4"),
+        ("KeyError: 'x'\n", "KeyError: 'x'"),
+        ("", "no output"),
+    ],
+)
+def test_failure_reason_names_rank_signal_and_error(text: str, expected: str) -> None:
+    assert reason_from_output(text) == expected

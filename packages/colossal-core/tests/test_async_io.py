@@ -202,8 +202,12 @@ def test_direct_io_is_used_and_falls_back_when_unsupported(tmp_path, monkeypatch
     monkeypatch.setattr(atomic_mod, "_write_chunk", write)
     tensors = sample_tensors()
     with AsyncTensorWriter(chunk_bytes=4096) as w:
-        for name, copy in (("direct", True), ("open_fails", False), ("write_fails", True),
-                           ("direct_nocopy", False)):
+        for name, copy in (
+            ("direct", True),
+            ("open_fails", False),
+            ("write_fails", True),
+            ("direct_nocopy", False),
+        ):
             path = w.save(tensors, tmp_path / name, copy=copy).wait()
             assert_same(load_safetensors(path), tensors)
     with AsyncTensorWriter(direct_io=False) as w:

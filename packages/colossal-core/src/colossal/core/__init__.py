@@ -10,6 +10,7 @@ from colossal.core.comm import CommError, CommTracker
 from colossal.core.coordinator import DistCoordinator
 from colossal.core.interface import ModelWrapper, OptimizerWrapper
 from colossal.core.launch import (
+    destroy,
     launch,
     launch_from_openmpi,
     launch_from_slurm,
@@ -34,6 +35,7 @@ __all__ = [
     "get_accelerator",
     "get_dist_logger",
     "get_logger",
+    "destroy",
     "launch",
     "launch_from_openmpi",
     "launch_from_slurm",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -102,6 +104,7 @@ def launch(
         world_size=world_size,
         timeout=_as_timedelta(timeout),
     )
+    _register_exit_hook()
     set_seed(seed)
     if verbose and rank == 0:
         logger.info(
@@ -110,6 +113,38 @@ def launch(
             backend,
             accelerator.get_current_device(),
         )
+
+
+def destroy() -> None:
+    """Destroy every process group of this process (a no-op when none exists).
+
+    Call it at the end of a script, on every rank. :func:`launch` also registers it to run at a
+    clean interpreter exit: a gloo group still alive while the interpreter shuts down can abort
+    the process (``terminate called without an active exception``) after all work is done.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_EXIT_HOOK = False
+
+
+def _register_exit_hook() -> None:
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        atexit.register(_destroy_on_clean_exit)
+        _EXIT_HOOK = True
+
+
+def _destroy_on_clean_exit() -> None:
+    # After an uncaught exception a peer may be stuck in a collective with this rank; tearing
+    # the groups down could then wait for the collective timeout, so the process just exits.
+    if getattr(sys, "last_value", None) is not None:
+        return
+    try:
+        destroy()
+    except Exception as err:  # noqa: BLE001 - exiting anyway; never mask the exit status
+        logger.debug("destroying the process groups at exit failed: %r", err)
 
 
 def _format_host(host: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ __all__ = [
     "METRICS",
     "BenchSettings",
     "failure_row",
+    "reason_from_output",
     "run_all",
     "run_one",
     "settings_dict",
@@ -86,12 +88,33 @@ def failure_row(cfg: BenchConfig, status: str, error: str) -> dict[str, Any]:
     return {**cfg.to_dict(), "status": status, "error": error, **dict.fromkeys(METRICS)}
 
 
-def _reason_from_output(text: str) -> str:
+_ROOT_CAUSE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$",
+    re.DOTALL | re.MULTILINE,
+)
+_PY_ERROR = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))\b:?(.*)$")
+
+
+def reason_from_output(text: str) -> str:
+    """Why a torchrun job failed, read from its output.
+
+    Names the failing rank, its exit code or signal, and the last Python exception or C++
+    ``terminate`` message (torchrun's own ``ChildFailedError`` report is skipped).
+    """
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    detail = ""
     for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"
+        if line.startswith("terminate called") or (
+            _PY_ERROR.match(line) and "ChildFailedError" not in line
+        ):
+            detail = line[:240]
+            break
+    cause = _ROOT_CAUSE.search(text)
+    if cause is not None:
+        rank, code, signal = cause.groups()
+        how = f"killed by {signal}" if signal else f"exit code {code}"
+        return f"rank {rank} {how}" + (f": {detail}" if detail else "")
+    return detail or (lines[-1][:300] if lines else "no output")
 
 
 def run_one(cfg: BenchConfig, settings: BenchSettings) -> dict[str, Any]:
@@ -116,8 +139,7 @@ def run_one(cfg: BenchConfig, settings: BenchSettings) -> dict[str, Any]:
             data = json.loads(errs[0].read_text(encoding="utf-8"))
             return failure_row(cfg, data["status"], f"rank {data['rank']}: {data['error']}")
         status = "oom" if "out of memory" in done.stderr else "failed"
-        return failure_row(cfg, status, f"exit code {done.returncode}: "
-                           f"{_reason_from_output(done.stderr + done.stdout)}")  # fmt: skip
+        return failure_row(cfg, status, reason_from_output(done.stderr + done.stdout))
 
 
 def run_all(

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes per file write."""
 
+
 class AsyncTensorWriter:
     """Writes dicts of tensors to safetensors files in the background.
 

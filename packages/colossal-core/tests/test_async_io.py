@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors import safe_open
 import colossal.core
 import colossal.core.io._atomic_file as atomic_mod
 import colossal.core.io.reader as reader_mod
+import colossal.core.io.writer as writer_mod
 from colossal.core.io import (
     AsyncTensorReader,
     AsyncTensorWriter,
@@ -93,7 +95,7 @@ def slow_chunks(monkeypatch, delay: float, fail_after: int | None = None) -> lis
     return sizes
 
 
-@pytest.mark.parametrize("mode", ["copy", "nocopy", "sync", "module_async"])
+@pytest.mark.parametrize("mode", ["copy", "background", "nocopy", "sync", "module_async"])
 def test_round_trip_all_dtypes_readable_by_safetensors(tmp_path, writer, mode):
     tensors, meta = sample_tensors(), {"format": "pt", "step": "12"}
     path = tmp_path / "x.safetensors"
@@ -102,8 +104,10 @@ def test_round_trip_all_dtypes_readable_by_safetensors(tmp_path, writer, mode):
     elif mode == "module_async":
         assert save_safetensors_async(tensors, path, meta).wait() == str(path)
     else:
-        handle = writer.save(tensors, path, meta, copy=mode == "copy")
-        assert handle.wait(timeout=30) == str(path) and handle.done()
+        handle = writer.save(
+            tensors, path, meta, copy=mode != "nocopy", background_copy=mode == "background"
+        )
+        assert handle.wait(timeout=30) == str(path) and handle.done() and handle.released()
     assert_same(safetensors.torch.load_file(path), tensors)
     assert_same(load_safetensors(path), tensors)
     with safe_open(str(path), framework="pt") as f:
@@ -160,6 +164,50 @@ def test_caller_may_mutate_after_save_in_default_mode(tmp_path, monkeypatch):
     handle.wait(timeout=30)
     writer.close()
     assert torch.equal(load_safetensors(tmp_path / "unsafe.safetensors")["t"], tensor)
+
+
+def test_background_snapshot_returns_first_and_releases_before_the_write(
+    tmp_path, monkeypatch
+):
+    slow_chunks(monkeypatch, delay=0.2)  # the file write takes a while
+    copied = threading.Event()
+    go = threading.Event()
+    original_stage = writer_mod.stage_tensors
+
+    def gated_stage(*args):  # the snapshot starts only when the test lets it
+        assert go.wait(30)
+        original_stage(*args)
+        copied.set()
+
+    monkeypatch.setattr(writer_mod, "stage_tensors", gated_stage)
+    original = torch.arange(1 << 16, dtype=torch.float32)
+    tensor = original.clone()
+    with AsyncTensorWriter() as writer:
+        handle = writer.save({"t": tensor}, tmp_path / "bg.safetensors", background_copy=True)
+        assert not handle.released() and not copied.is_set()  # save returned before copying
+        with pytest.raises(TimeoutError, match="still being read"):
+            handle.wait_released(timeout=0.05)
+        go.set()
+        handle.wait_released(timeout=30)
+        assert copied.is_set() and not handle.done()  # released while the file is written
+        tensor.fill_(-1.0)  # allowed now: the snapshot is taken
+        handle.wait(timeout=30)
+    assert torch.equal(load_safetensors(tmp_path / "bg.safetensors")["t"], original)
+
+
+def test_background_snapshot_error_fails_the_write(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("snapshot failed (injected)")
+
+    monkeypatch.setattr(writer_mod, "stage_tensors", broken)
+    with AsyncTensorWriter() as writer:
+        path = tmp_path / "bad.safetensors"
+        handle = writer.save({"t": torch.ones(8)}, path, background_copy=True)
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait_released(timeout=30)
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait(timeout=30)
+    assert not path.exists() and temp_files(tmp_path) == []
 
 
 def test_chunked_writes_and_small_tensor_batching(tmp_path, monkeypatch):

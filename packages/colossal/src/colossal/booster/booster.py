@@ -92,6 +92,7 @@ class Booster:
         else:
             self.checkpoint_io = CheckpointIO()
         self._boosted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._fenced: weakref.WeakSet[Any] = weakref.WeakSet()  # async saves fenced by a step
 
     def boost(
         self,
@@ -128,6 +129,7 @@ class Booster:
                     f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
                 )
         self._boosted.add(model)
+        user_optimizer = optimizer
         if self.plugin is not None:
             model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
                 model, optimizer, criterion, dataloader, lr_scheduler
@@ -145,7 +147,16 @@ class Booster:
                 model, optimizer, criterion
             )
         self._boosted.add(model)
+        if optimizer is not None:
+            # Async saves snapshot in the background; the step that would change what they
+            # read waits for them first (the user's optimizer steps inside every wrapper).
+            user_optimizer.register_step_pre_hook(self._snapshot_fence)
+            self._fenced.add(model)
+            self._fenced.add(optimizer)
         return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _snapshot_fence(self, *_: Any) -> None:
+        self.checkpoint_io.wait_snapshots()
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """Back-propagate ``loss`` through the boosted optimizer (scaling where needed)."""
@@ -212,10 +223,20 @@ class Booster:
             prefix: Kept for API compatibility.
             size_per_shard: MB per file when ``shard``.
             use_safetensors: Must be True.
-            use_async: Return once the tensors are snapshotted; see :meth:`wait_async_saves`.
+            use_async: Return at once and write in the background; wait with
+                :meth:`wait_async_saves`. For a model boosted with an optimizer the snapshot is
+                taken in the background as well, and the optimizer's next ``step()`` waits for
+                it: do not change the weights in other ways before
+                :meth:`wait_async_snapshots`. Otherwise the snapshot is taken before returning.
         """
         self.checkpoint_io.save_model(
-            model, checkpoint, shard, size_per_shard, use_safetensors, use_async
+            model,
+            checkpoint,
+            shard,
+            size_per_shard,
+            use_safetensors,
+            use_async,
+            background_snapshot=model in self._fenced,
         )
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
@@ -232,8 +253,18 @@ class Booster:
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save the optimizer state (by parameter name) as a directory (collective)."""
-        self.checkpoint_io.save_optimizer(optimizer, checkpoint, shard, size_per_shard, use_async)
+        """Save the optimizer state (by parameter name) as a directory (collective).
+
+        With ``use_async`` it returns at once; see :meth:`save_model`.
+        """
+        self.checkpoint_io.save_optimizer(
+            optimizer,
+            checkpoint,
+            shard,
+            size_per_shard,
+            use_async,
+            background_snapshot=optimizer in self._fenced,
+        )
 
     def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
         """Load an optimizer directory saved under any plugin and world size."""
@@ -246,6 +277,14 @@ class Booster:
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Load the lr scheduler's state."""
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+    def wait_async_snapshots(self) -> None:
+        """Block until async saves have copied what they save (local, cheap).
+
+        The boosted optimizer's ``step()`` does this itself; call it before changing weights
+        or optimizer states any other way while an async save may be pending.
+        """
+        self.checkpoint_io.wait_snapshots()
 
     def wait_async_saves(self) -> None:
         """Block until every ``use_async`` save is committed on every rank (collective)."""

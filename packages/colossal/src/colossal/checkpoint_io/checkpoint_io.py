@@ -132,6 +132,7 @@ class CheckpointIO:
         size_per_shard: int = 1024,
         use_safetensors: bool = True,
         use_async: bool = False,
+        background_snapshot: bool = False,
     ) -> None:
         """Save ``model`` as the directory ``checkpoint`` (collective).
 
@@ -141,7 +142,11 @@ class CheckpointIO:
             shard: Split into files of at most ``size_per_shard`` MB (else one file).
             size_per_shard: MB per shard.
             use_safetensors: Must be True: the format is safetensors.
-            use_async: Return after snapshotting to CPU; wait with :meth:`synchronize`.
+            use_async: Write in the background; wait with :meth:`synchronize`.
+            background_snapshot: With ``use_async``, snapshot the parameters on a background
+                thread too (buffers are copied before returning); the caller promises not to
+                modify them before :meth:`wait_snapshots` (the Booster makes the optimizer's
+                step wait).
 
         Raises:
             ValueError: ``use_safetensors=False``.
@@ -152,6 +157,7 @@ class CheckpointIO:
             )
         state = _dedupe_tied(self.model_state(model))
         limit = size_per_shard if shard else float("inf")
+        params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         self.saver.save(
             state,
             checkpoint,
@@ -160,6 +166,7 @@ class CheckpointIO:
             limit,
             use_async=use_async,
             gather=self.to_full,
+            background=set(params) if background_snapshot else (),
         )
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
@@ -169,6 +176,7 @@ class CheckpointIO:
             CheckpointError: Incomplete/corrupt checkpoint, missing or unexpected tensors
                 (``strict``), or shapes that differ (another model's checkpoint).
         """
+        self.wait_snapshots()
         directory = resolve_directory(checkpoint)
         index = read_index(directory, MODEL_INDEX, self.verify_checksums)
         reader = TensorReader(directory, index["weight_map"])
@@ -208,8 +216,13 @@ class CheckpointIO:
         shard: bool = False,
         size_per_shard: int = 1024,
         use_async: bool = False,
+        background_snapshot: bool = False,
     ) -> None:
-        """Save the optimizer's state as the directory ``checkpoint`` (collective)."""
+        """Save the optimizer's state as the directory ``checkpoint`` (collective).
+
+        ``use_async`` and ``background_snapshot`` as in :meth:`save_model` (every state tensor
+        may be snapshotted in the background: only the optimizer's step changes them).
+        """
         tensors, meta = indexed_to_named(self.optimizer_state(optimizer), param_names(optimizer))
         limit = size_per_shard if shard else float("inf")
         self.saver.save(
@@ -221,6 +234,7 @@ class CheckpointIO:
             extra=meta,
             use_async=use_async,
             gather=self.to_full,
+            background=set(tensors) if background_snapshot else (),
         )
 
     def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
@@ -229,6 +243,7 @@ class CheckpointIO:
         Raises:
             CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters.
         """
+        self.wait_snapshots()
         directory = resolve_directory(checkpoint)
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums)
         reader = TensorReader(directory, index["weight_map"])
@@ -256,6 +271,13 @@ class CheckpointIO:
             lr_scheduler.load_state_dict(json.load(file))
 
     # ---- async -----------------------------------------------------------------------------
+    def wait_snapshots(self) -> None:
+        """Wait until async saves have snapshotted what they save (local, no collective).
+
+        After it returns the saved parameters and optimizer states may be modified.
+        """
+        self.saver.wait_snapshots()
+
     def synchronize(self) -> None:
         """Wait until every async save has been committed on every rank (collective)."""
         self.saver.synchronize()

@@ -4,7 +4,9 @@ Every rank plans the same shards; each shard is written by the rank that has wri
 fewest bytes so far (the same choice on every rank). When its
 files are durable a rank records their sizes and checksums in ``rank<r>.meta.json``; rank 0
 waits for all of them, writes the index and swaps the directory in (:mod:`.commit`). With
-``use_async`` the tensors are snapshotted to CPU and all of this happens in the background.
+``use_async`` the tensors are snapshotted to CPU and all of this happens in the background;
+tensors named in ``background`` are even snapshotted on a background thread, and
+:meth:`ShardedSaver.wait_snapshots` is the fence before anything may modify them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -62,6 +64,7 @@ class ShardedSaver:
         self._pending: list[Future[None]] = []
         self._pending_paths: dict[str, Future[None]] = {}
         self._bytes_written: list[int] = []
+        self._snapshots: list[WriteHandle] = []
 
     @property
     def writer(self) -> AsyncTensorWriter:
@@ -80,12 +83,16 @@ class ShardedSaver:
         extra: Mapping[str, Any] | None = None,
         use_async: bool = False,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        background: Collection[str] = (),
     ) -> None:
         """Save ``tensors`` (the same names on every rank) as a sharded directory ``path``.
 
         Collective over the group. ``extra`` is merged into the index JSON. ``gather`` turns
         a (possibly sharded) tensor into the full one; every rank calls it for every tensor in
         the same order, and only the rank that writes a tensor's file keeps the result.
+        With ``use_async``, the tensors named in ``background`` are snapshotted on a
+        background thread after this returns: the caller must call :meth:`wait_snapshots`
+        before modifying them. The others are copied before this returns.
         """
         gather = gather or _identity
         self._wait_for_path(path)  # an earlier save to the same path must be committed first
@@ -107,15 +114,24 @@ class ShardedSaver:
         writers = self._assign([sum(nbytes[n] for n in names) for names in shards], world)
         for writer, file, names in zip(writers, files, shards, strict=True):
             owner = writer == rank
-            part = {}
+            part, fenced = {}, set()
             for n in names:
                 full = gather(tensors[n])  # may be collective: every rank, same order
                 if owner:
                     part[n] = full.detach()
+                    if n in background or full is not tensors[n]:
+                        fenced.add(n)  # nothing changes it before wait_snapshots()
             if not owner:
                 continue
+            in_background = use_async and bool(fenced)
+            if in_background:  # the others are copied now, the fenced ones later
+                part = {n: t if n in fenced else t.clone() for n, t in part.items()}
             target = os.path.join(staging, file)
-            handle = self.writer.save(part, target, {"format": "pt"}, copy=use_async)
+            handle = self.writer.save(
+                part, target, {"format": "pt"}, copy=use_async, background_copy=in_background
+            )
+            if use_async:
+                self._snapshots.append(handle)
             # Sync saves keep the tensors, so the checksum comes from memory, not a re-read.
             handles.append((file, handle, None if use_async else part))
         index = {
@@ -137,6 +153,19 @@ class ShardedSaver:
             job()
             if world > 1:
                 barrier(self.group)
+
+    def wait_snapshots(self) -> None:
+        """Wait until async saves no longer read the caller's tensors (a local fence).
+
+        Errors of a failed snapshot are not raised here: the save fails with them, and
+        :meth:`synchronize` reports it.
+        """
+        handles, self._snapshots = self._snapshots, []
+        for handle in handles:
+            try:
+                handle.wait_released()
+            except BaseException:  # noqa: BLE001, S110 - reported by synchronize()
+                pass
 
     def synchronize(self) -> None:
         """Wait for this process's async saves, then for every rank's (collective).

@@ -63,11 +63,46 @@ class WriteHandle(AsyncHandle[str]):
     Args:
         future: The future of the write.
         path: The final path of the file.
+        released: Completes once the writer no longer reads the caller's tensors (the snapshot
+            is taken); the write's own future when ``None`` (the tensors are read until the
+            file is written).
     """
 
-    def __init__(self, future: concurrent.futures.Future[str], path: str) -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[str],
+        path: str,
+        released: concurrent.futures.Future[None] | None = None,
+    ) -> None:
         super().__init__(future, f"write of {path}")
         self.path = path
+        self._released: concurrent.futures.Future[None] | concurrent.futures.Future[str] = (
+            future if released is None else released
+        )
+
+    def released(self) -> bool:
+        """Whether the caller's tensors may be modified (the snapshot is complete)."""
+        return self._released.done()
+
+    def wait_released(self, timeout: float | None = None) -> None:
+        """Block until the writer no longer reads the caller's tensors.
+
+        With a foreground snapshot (the default) this returns at once; with
+        ``background_copy=True`` it waits for the background snapshot; with ``copy=False``
+        for the whole write.
+
+        Raises:
+            TimeoutError: Still reading after ``timeout`` seconds.
+            Exception: The snapshot's error (the write then fails with it too).
+        """
+        try:
+            self._released.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._released.done():
+                raise
+            raise TimeoutError(
+                f"{self._description}: tensors still being read after {timeout}s"
+            ) from None
 
 
 class ReadHandle(AsyncHandle[dict[str, torch.Tensor]]):

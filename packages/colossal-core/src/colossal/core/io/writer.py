@@ -9,6 +9,7 @@ that was there before.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -89,6 +90,9 @@ class AsyncTensorWriter:
         self._pool = StagingPool(reuse=reuse_staging)
         self._bounce_pool = StagingPool(reuse=True)  # 2 chunks per concurrent copy=False save
         self._loop_thread = EventLoopThread("colossal-async-writer", max_workers=max_workers)
+        self._snapshots = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="colossal-async-writer-snapshot"
+        )  # background snapshots run one at a time, in submission order
 
     def save(
         self,
@@ -97,6 +101,7 @@ class AsyncTensorWriter:
         metadata: Mapping[str, str] | None = None,
         *,
         copy: bool = True,
+        background_copy: bool = False,
     ) -> WriteHandle:
         """Start writing ``tensors`` to the safetensors file ``path``.
 
@@ -110,6 +115,11 @@ class AsyncTensorWriter:
                 the caller may modify them at once. ``False``: write straight from the
                 caller's tensors; the caller promises not to modify (or free) them until
                 ``wait()`` returns, and ``save`` returns almost at once.
+            background_copy: With ``copy=True``, take the snapshot on a background thread
+                instead of before returning: ``save`` returns at once and the caller promises
+                not to modify the tensors until the handle's ``wait_released()`` returns
+                (e.g. call it before the next optimizer step). Snapshots of several saves run
+                one after the other, in the order of the calls, ahead of the file writes.
 
         Returns:
             A handle whose ``wait()`` returns ``path`` (as str) or raises the write's error.
@@ -137,27 +147,45 @@ class AsyncTensorWriter:
             job = write_file_atomically(target, direct_source, size, self._fsync, self._direct_io)
             return _handle(self._loop_thread.submit(job), target)
         staging = self._pool.acquire(whole_blocks(size))
+        released: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
-            stage_tensors(staging, header, infos, tensors)
+            if background_copy:
+                snapshot = self._snapshots.submit(stage_tensors, staging, header, infos, tensors)
+                snapshot.add_done_callback(lambda f: _chain(f, released))
+            else:
+                stage_tensors(staging, header, infos, tensors)
+                released.set_result(None)
             image = tensor_memoryview(staging)
 
             def staged_source(direct: bool) -> AsyncIterator[memoryview]:
                 return buffer_chunks(image, chunk_bytes)  # aligned whole blocks either way
 
-            job = self._write_staged(target, staged_source, size, staging)
+            job = self._write_staged(target, staged_source, size, staging, released)
             future = self._loop_thread.submit(job)
         except BaseException:
-            self._pool.release(staging)
+            if released.done():
+                self._pool.release(staging)
+            else:  # the snapshot still copies into the buffer: recycle it afterwards
+                released.add_done_callback(lambda _: self._pool.release(staging))
             raise
-        return _handle(future, target)
+        return _handle(future, target, released)
 
     async def _write_staged(
-        self, path: str, source: Source, size: int, staging: torch.Tensor
+        self,
+        path: str,
+        source: Source,
+        size: int,
+        staging: torch.Tensor,
+        released: concurrent.futures.Future[None],
     ) -> str:
         try:
+            await asyncio.wrap_future(released)  # the file image is complete
             return await write_file_atomically(path, source, size, self._fsync, self._direct_io)
         finally:
-            self._pool.release(staging)
+            if released.done():
+                self._pool.release(staging)
+            else:  # cancelled while the snapshot copies into the buffer
+                released.add_done_callback(lambda _: self._pool.release(staging))
 
     def release_staging(self) -> None:
         """Free the cached snapshot and bounce buffers (those of pending writes when done)."""
@@ -176,6 +204,7 @@ class AsyncTensorWriter:
             wait: Finish pending writes first (default) or cancel them (cancelled writes leave
                 neither a final nor a temporary file).
         """
+        self._snapshots.shutdown(wait=True, cancel_futures=not wait)
         self._loop_thread.close(wait=wait)
         self.release_staging()
 
@@ -246,9 +275,26 @@ def save_safetensors(
         raise
 
 
-def _handle(future: concurrent.futures.Future[str], path: str) -> WriteHandle:
+def _handle(
+    future: concurrent.futures.Future[str],
+    path: str,
+    released: concurrent.futures.Future[None] | None = None,
+) -> WriteHandle:
     future.add_done_callback(lambda f: _log_failure(f, path))
-    return WriteHandle(future, path)
+    return WriteHandle(future, path, released)
+
+
+def _chain(
+    source: concurrent.futures.Future[None], target: concurrent.futures.Future[None]
+) -> None:
+    """Complete ``target`` like the finished ``source`` (result, error or cancellation)."""
+    if source.cancelled():
+        target.cancel()
+        target.set_running_or_notify_cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(None)
 
 
 def _log_failure(future: concurrent.futures.Future[str], path: str) -> None:

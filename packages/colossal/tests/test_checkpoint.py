@@ -278,3 +278,28 @@ def _slices_and_precisions(rank: int, world_size: int, root: str) -> None:
 
 def test_fsdp_reads_slices_and_bf16_loads_into_fp32(tmp_path) -> None:
     spawn(_slices_and_precisions, 2, args=(str(tmp_path),))
+
+
+def _model_only_into_bf16_zero(rank: int, world_size: int, root: str) -> float:
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(make_model())
+    booster.save_model(model, f"{root}/model")
+    saved = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
+    booster = make_booster("zero2", precision="bf16")
+    fresh = make_model(seed=99)
+    optimizer = torch.optim.SGD(fresh.parameters(), lr=0.0)  # the step keeps the masters
+    fresh, optimizer, *_ = booster.boost(fresh, optimizer)
+    booster.load_model(fresh, f"{root}/model")  # no optimizer checkpoint: masters must follow
+    train_steps(fresh, optimizer, booster, range(1), rank, world_size)
+    worst = 0.0
+    for name, param in fresh.unwrap().named_parameters():
+        expected = saved[name].to(torch.bfloat16).float()
+        worst = max(worst, float((param.detach().float() - expected).abs().max()))
+    return worst
+
+
+def test_model_checkpoint_alone_updates_zero_master_weights(tmp_path) -> None:
+    # After loading only the model, ZeRO's fp32 masters must take the loaded weights, or the
+    # next step writes the old weights back into the model.
+    for worst in spawn(_model_only_into_bf16_zero, 2, args=(str(tmp_path),)):
+        assert worst == 0.0

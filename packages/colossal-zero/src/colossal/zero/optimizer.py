@@ -165,6 +165,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             for bucket in self.buckets
             for slot in bucket.slots
         ]
+        self._managed_ids: set[int] | None = None
         self.gatherer = ParamGatherer(
             self.buckets,
             self.flat_params,
@@ -412,6 +413,24 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """Restore what :meth:`state_dict` returned, at any data-parallel size."""
         self.gatherer.wait_all()
         scatter_state_dict(self, state_dict)
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the working parameters this optimizer updates."""
+        if self._managed_ids is None:
+            self._managed_ids = {id(s.param) for bucket in self.buckets for s in bucket.slots}
+        return id(param) in self._managed_ids
+
+    def sync_masters_from_params(self) -> None:
+        """Copy the working parameters into this rank's master shards (local, no collective).
+
+        Call it after changing the working parameters outside :meth:`step` (e.g. loading a
+        model checkpoint into them); otherwise the next step overwrites them with the masters.
+        """
+        self.gatherer.wait_all()
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, self.masters, strict=True):
+                lo, hi = bucket.shard_range(self.rank, self.world_size)
+                master.copy_(self.flat_params[bucket.group][lo:hi])
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds in working params, grads, master params and optimizer states."""

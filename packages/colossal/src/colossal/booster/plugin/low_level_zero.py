@@ -87,10 +87,10 @@ class ZeroCheckpointIO(CheckpointIO):
     ) -> None:
         """Copy tensors in, then refresh the masters of every optimizer over this model."""
         super().load_model_state(model, targets, reader)
-        ids = {id(p) for p in model.parameters()}
+        params = list(model.parameters())
         for opt in self.optimizers:
-            if any(id(s.param) in ids for b in opt.buckets for s in b.slots):
-                _sync_masters(opt)
+            if any(opt.manages(p) for p in params):
+                opt.sync_masters_from_params()
 
     def load_optimizer_state(
         self, optimizer: Any, meta: dict[str, Any], reader: TensorReader
@@ -104,14 +104,6 @@ class ZeroCheckpointIO(CheckpointIO):
             keep=("master_param",),
         )
         optimizer.load_state_dict(state)
-
-
-def _sync_masters(opt: LowLevelZeroOptimizer) -> None:
-    """Copy the (just loaded) working parameters into this rank's master shards."""
-    with torch.no_grad():
-        for bucket, master in zip(opt.buckets, opt.masters, strict=True):
-            lo, hi = bucket.shard_range(opt.rank, opt.world_size)
-            master.copy_(opt.flat_params[bucket.group][lo:hi])
 
 
 class LowLevelZeroPlugin(DPPluginBase):

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -135,8 +135,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one configuration under torchrun; returns the process exit code."""
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run one configuration under torchrun, then end the process (exit code 0 or 1)."""
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -149,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(args.out + ".tmp", args.out)
         dist.barrier()
         dist.destroy_process_group()
-        return 0
+        # The result is on disk: skip interpreter finalization, where gloo threads that still
+        # hold tensors can abort a finished process (SIGABRT, "terminate called ...").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report row
         status = "oom" if _is_oom(exc) else "failed"
         error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
@@ -161,4 +165,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

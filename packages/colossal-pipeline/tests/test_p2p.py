@@ -78,6 +78,33 @@ def test_metadata_sent_once_and_resent_on_change(rank: int, world_size: int, cac
 
 
 @distributed_test(2)
+def test_receives_posted_ahead_in_a_step(rank: int, world_size: int) -> None:
+    mesh = ProcessGroupMesh(2, axis_names=("pp",))
+    p2p = PipelineP2P(mesh.get_group_along_axis("pp"))
+    steps = [[(1.0, 3), (2.0, 3)], [(3.0, 3), (4.0, 6), (5.0, 6)], [(6.0, 6), (7.0, 6)]]
+    for plan in steps:  # the shapes change inside the second step
+        p2p.begin_step()
+        if rank == 0:
+            for scale, rows in plan:
+                p2p.send(_tree(scale, rows), dst=1, tag=5)
+        else:  # every receive of the step is posted before the first is waited for
+            pending = p2p.exchange([], [(0, 5)] * len(plan))
+            for (scale, rows), p in zip(reversed(plan), reversed(pending), strict=True):
+                assert _same(p.wait(), _tree(scale, rows)), f"transfer {scale} arrived wrong"
+        p2p.end_step()
+    # metadata once per change (the first transfer, then the new shape); then one message each
+    assert (p2p.metadata_sent if rank == 0 else p2p.metadata_received) == 2
+    with CommTracker() as tracker:
+        p2p.begin_step()
+        if rank == 0:
+            p2p.send(_tree(8.0, 6), dst=1, tag=5)
+        else:
+            assert _same(p2p.recv(src=0, tag=5), _tree(8.0, 6))
+        p2p.end_step()
+    assert tracker.calls("send" if rank == 0 else "recv") == 1
+
+
+@distributed_test(2)
 def test_schedule_resends_metadata_when_shapes_change(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(Block(8) for _ in range(4))

@@ -23,6 +23,7 @@ from colossal.pipeline import (
     OneForwardOneBackwardSchedule,
     ZeroBubbleVPipeScheduler,
 )
+from colossal.pipeline.executor import RECV_LOOKAHEAD
 
 # (schedule, chunks) pairs each schedule allows
 CASES = {
@@ -33,28 +34,30 @@ CASES = {
 }
 
 
-def _schedule(kind: str, sm, chunks: int, num_microbatches: int):
+def _schedule(kind: str, sm, chunks: int, num_microbatches: int, lookahead: int):
+    kw = {"num_microbatches": num_microbatches, "recv_lookahead": lookahead}
     if kind == "gpipe":
-        return GPipeSchedule(sm, num_microbatches=num_microbatches)
+        return GPipeSchedule(sm, **kw)
     if kind == "1f1b":
-        return OneForwardOneBackwardSchedule(sm, num_microbatches=num_microbatches)
+        return OneForwardOneBackwardSchedule(sm, **kw)
     if kind == "interleaved":
-        return InterleavedSchedule(sm, chunks, num_microbatches=num_microbatches)
-    return ZeroBubbleVPipeScheduler(sm, 2, num_microbatches=num_microbatches)
+        return InterleavedSchedule(sm, chunks, **kw)
+    return ZeroBubbleVPipeScheduler(sm, 2, **kw)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
 @distributed_test(2, 4)
 def test_matches_reference(rank: int, world_size: int, kind: str) -> None:
     for chunks in CASES[kind]:
-        for use_optimizer in (False, True):
+        # receives posted by default, where the IR has them, and all at the start of the step
+        for use_optimizer, lookahead in ((False, RECV_LOOKAHEAD), (True, 0), (False, 1000)):
             torch.manual_seed(0)
             layers = nn.ModuleList(Block(8) for _ in range(2 * world_size * chunks + 1))
             batch = torch.randn(2 * world_size, 8)
             ref_loss, ref = reference(layers, batch, mse_to_flipped)
             sm = make_stage_manager(world_size, chunks, zbv=kind == "zbv")
             model = split_model(layers, sm)
-            schedule = _schedule(kind, sm, chunks, num_microbatches=world_size * 2)
+            schedule = _schedule(kind, sm, chunks, world_size * 2, lookahead)
             opt = (
                 OptimizerWrapper(torch.optim.SGD(layers.parameters(), lr=0.1))
                 if use_optimizer
@@ -68,7 +71,7 @@ def test_matches_reference(rank: int, world_size: int, kind: str) -> None:
                 return_loss=True,
                 return_outputs=True,
             )
-            what = f"{kind} chunks={chunks} stage={sm.stage}"
+            what = f"{kind} chunks={chunks} lookahead={lookahead} stage={sm.stage}"
             assert compare_grads(layers, ref, model, what) > 0
             holds_last = sm.layout.loss_stage() == sm.stage
             if holds_last:

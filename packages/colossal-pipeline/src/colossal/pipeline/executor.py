@@ -9,13 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from colossal.pipeline.ir import Action, ActionType, ScheduleIR, TimelineEvent
+from colossal.pipeline.ir import RECVS, Action, ActionType, ScheduleIR, TimelineEvent
 from colossal.pipeline.microbatch import merge_outputs
 from colossal.pipeline.p2p import PendingRecv, PipelineP2P
 from colossal.pipeline.stage_manager import PipelineStageManager
 from colossal.pipeline.tree import flatten, is_differentiable, unflatten
 
 Key = tuple[int, int]  # (microbatch, chunk)
+RECV_LOOKAHEAD = 4
+"""Default of :class:`StageExecutor`'s ``recv_lookahead``."""
 
 
 def call_chunk(chunk: nn.Module, inputs: Any) -> Any:
@@ -54,6 +56,10 @@ class StageExecutor:
         optimizer: Optional optimizer wrapper providing ``backward`` / ``backward_by_grad``.
         return_outputs: Keep the last slice's outputs.
         record_timeline: Record the start and end of every compute action.
+        recv_lookahead: Post each receive this many compute actions before the one that uses
+            it (with the transfers before an earlier compute), so its data arrives while the
+            stage computes; 0 posts it where the IR has it, right before its use. A receive is
+            still waited for only at its use.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class StageExecutor:
         optimizer: Any | None = None,
         return_outputs: bool = False,
         record_timeline: bool = False,
+        recv_lookahead: int = RECV_LOOKAHEAD,
     ) -> None:
         self.ir = ir
         self.sm = stage_manager
@@ -78,6 +85,9 @@ class StageExecutor:
         self.optimizer = optimizer
         self.return_outputs = return_outputs
         self.record_timeline = record_timeline
+        if not isinstance(recv_lookahead, int) or recv_lookahead < 0:
+            raise ValueError(f"recv_lookahead must be an int >= 0, got {recv_lookahead!r}")
+        self.recv_lookahead = recv_lookahead
         self.layout = ir.layout
         self.last_slice = ir.layout.num_slices - 1
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in self.chunks]
@@ -91,6 +101,16 @@ class StageExecutor:
         self.timeline: list[TimelineEvent] = []
         self.comm_timeline: list[TimelineEvent] = []
         self.wait_timeline: list[TimelineEvent] = []
+        # every receive with the index of the compute action that uses it, in IR order
+        self._recvs: list[tuple[int, Action]] = []
+        self._next_recv = 0
+        self._post_time: dict[Action, float] = {}
+        computes = 0
+        for a in ir.actions[self.stage]:
+            if a.type.is_compute:
+                computes += 1
+            elif a.type in RECVS:
+                self._recvs.append((computes, a))
 
     # ---- helpers -----------------------------------------------------------------------
     def _slice(self, chunk: int) -> int:
@@ -225,29 +245,56 @@ class StageExecutor:
         return out
 
     # ---- transfers ---------------------------------------------------------------------
-    def _transfer(self, batch: Sequence[Action]) -> None:
+    def _transfer(self, batch: Sequence[Action], compute_index: int) -> None:
+        """Post ``batch``'s sends and every receive used up to compute ``compute_index + k``.
+
+        ``batch`` holds the IR's transfers right before compute action ``compute_index``;
+        ``k`` is :attr:`recv_lookahead`. Receives of ``batch`` were usually posted earlier.
+        """
         start = time.perf_counter()
-        sends, recvs, recv_keys = [], [], []
+        sends, posted = [], []
         for a in batch:
+            if a.type in RECVS:
+                continue
             key = (a.microbatch, a.chunk)
             peer = self.sm.get_rank(self.ir.peer(self.stage, a))
             tag = self.ir.channel(self.stage, a)
             if a.type == ActionType.SEND_FORWARD:
                 sends.append((self.saved[key][1], peer, tag))
-            elif a.type == ActionType.SEND_BACKWARD:
-                sends.append((self.to_send.pop(key), peer, tag))
             else:
-                recvs.append((peer, tag))
-                recv_keys.append((a.type, key))
-        received = self.p2p.exchange(sends, recvs)
-        for (kind, key), pending in zip(recv_keys, received, strict=True):
-            (self.inputs if kind == ActionType.RECV_FORWARD else self.out_grads)[key] = pending
-        if self.record_timeline:  # the batch's posting time, shared evenly by its actions
-            share = (time.perf_counter() - start) / len(batch)
-            self.comm_timeline.extend(
-                TimelineEvent(self.stage, a, start + i * share, start + (i + 1) * share)
-                for i, a in enumerate(batch)
-            )
+                sends.append((self.to_send.pop(key), peer, tag))
+            posted.append(a)
+        recvs = []
+        upto = compute_index + self.recv_lookahead
+        while self._next_recv < len(self._recvs) and self._recvs[self._next_recv][0] <= upto:
+            a = self._recvs[self._next_recv][1]
+            self._next_recv += 1
+            peer = self.sm.get_rank(self.ir.peer(self.stage, a))
+            recvs.append((peer, self.ir.channel(self.stage, a)))
+            posted.append(a)
+        if posted:
+            received = self.p2p.exchange(sends, recvs)
+            for a, pending in zip(posted[len(sends) :], received, strict=True):
+                box = self.inputs if a.type == ActionType.RECV_FORWARD else self.out_grads
+                box[(a.microbatch, a.chunk)] = pending
+        if self.record_timeline:
+            self._record_comm(batch, posted, start)
+
+    def _record_comm(self, batch: Sequence[Action], posted: list[Action], start: float) -> None:
+        """Record ``batch``'s transfers, each with its share of the time spent posting.
+
+        A call's posting time is shared evenly by the transfers it posted; a receive posted
+        ahead keeps its share until its place in the IR, where it is recorded.
+        """
+        if posted:
+            share = (time.perf_counter() - start) / len(posted)
+            for a in posted:
+                self._post_time[a] = share
+        t = start
+        for a in batch:
+            d = self._post_time.pop(a, 0.0)
+            self.comm_timeline.append(TimelineEvent(self.stage, a, t, t + d))
+            t += d
 
     # ---- main loop ---------------------------------------------------------------------
     def run(self) -> tuple[torch.Tensor | None, Any]:
@@ -259,20 +306,24 @@ class StageExecutor:
             ActionType.BACKWARD_WEIGHT: self._weight_backward,
         }
         acts = self.ir.actions[self.stage]
-        i = 0
-        with torch.enable_grad():
-            while i < len(acts):
-                a = acts[i]
-                if a.type.is_compute:
-                    compute[a.type](a.microbatch, a.chunk)
-                    i += 1
-                    continue
-                j = i
-                while j < len(acts) and acts[j].type.is_comm:
-                    j += 1
-                self._transfer(acts[i:j])
-                i = j
-            self.p2p.wait_all()
+        i = k = 0
+        self.p2p.begin_step()
+        try:
+            with torch.enable_grad():
+                while i < len(acts):
+                    j = i
+                    while j < len(acts) and acts[j].type.is_comm:
+                        j += 1
+                    self._transfer(acts[i:j], k)  # the transfers before compute action k
+                    if j < len(acts):
+                        a = acts[j]
+                        compute[a.type](a.microbatch, a.chunk)
+                        k += 1
+                    i = j + 1
+        except BaseException:
+            self.p2p.end_step(wait=False)
+            raise
+        self.p2p.end_step()
         loss = torch.stack(self.losses).sum() if self.losses else None
         outputs = (
             merge_outputs([self.outputs[k] for k in sorted(self.outputs)]) if self.outputs else None

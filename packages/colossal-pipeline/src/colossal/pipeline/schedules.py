@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from colossal.core import get_accelerator
-from colossal.pipeline.executor import StageExecutor
+from colossal.pipeline.executor import RECV_LOOKAHEAD, StageExecutor
 from colossal.pipeline.generators import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
 from colossal.pipeline.ir import ScheduleIR, TimelineEvent
 from colossal.pipeline.microbatch import batch_size, resolve_num_microbatches, split_batch
@@ -60,6 +60,10 @@ class PipelineSchedule(ABC):
             the posting of every transfer (a batch's time shared by its actions) in
             :attr:`last_comm_timeline`, and every receive's wait (at the compute that uses it)
             in :attr:`last_wait_timeline`. Times are ``time.perf_counter()``.
+        recv_lookahead: Post every receive this many compute actions before the one that uses
+            it, so its data arrives while the stage computes (it is still waited for only at
+            its use); costs at most this many extra receive buffers. 0 posts receives where the
+            IR has them, right before their use.
 
     Raises:
         TypeError: ``stage_manager`` is not a :class:`PipelineStageManager`.
@@ -76,8 +80,11 @@ class PipelineSchedule(ABC):
         enable_metadata_cache: bool = True,
         shared_params: Sequence[Mapping[int, torch.Tensor | None]] | None = None,
         record_timeline: bool = False,
+        recv_lookahead: int = RECV_LOOKAHEAD,
     ) -> None:
         _require_manager(stage_manager)
+        if not isinstance(recv_lookahead, int) or recv_lookahead < 0:
+            raise ValueError(f"recv_lookahead must be an int >= 0, got {recv_lookahead!r}")
         _positive_or_none("num_microbatches", num_microbatches)
         _positive_or_none("microbatch_size", microbatch_size)
         if num_microbatches is None and microbatch_size is None:
@@ -88,6 +95,7 @@ class PipelineSchedule(ABC):
         self.p2p = PipelineP2P(stage_manager.pp_group, enable_metadata_cache)
         self.shared_params = SharedParamGradSync(stage_manager, shared_params or [])
         self.record_timeline = record_timeline
+        self.recv_lookahead = recv_lookahead
         self.last_timeline: list[TimelineEvent] = []
         self.last_comm_timeline: list[TimelineEvent] = []
         self.last_wait_timeline: list[TimelineEvent] = []
@@ -201,6 +209,7 @@ class PipelineSchedule(ABC):
             optimizer=optimizer,
             return_outputs=return_outputs,
             record_timeline=self.record_timeline,
+            recv_lookahead=self.recv_lookahead,
         )
         loss, outputs = executor.run()
         self.last_timeline = executor.timeline

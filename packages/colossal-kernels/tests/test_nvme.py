@@ -137,3 +137,35 @@ def test_bad_offload_dir(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         CPUAdam([torch.nn.Parameter(torch.ones(2))], nvme_offload_fraction=0.5,
                 nvme_offload_dir=str(f))
+
+
+@pytest.mark.parametrize("cost", [0.0, 1e9])  # all cores compute / one core left to the IO
+def test_thread_choice_keeps_results_identical(tmp_path, monkeypatch, cost):
+    from colossal.kernels.optim import _base
+
+    monkeypatch.setattr(_base, "_OVERSUBSCRIBE_COST", cost)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    chosen = []
+    choose = _base.AdamBase._offload_threads
+    monkeypatch.setattr(_base.AdamBase, "_offload_threads",
+                        lambda self: chosen.append(choose(self)) or chosen[-1])
+    try:
+        plain, off = _params(), _params()
+        o1 = CPUAdam(plain, lr=1e-2, weight_decay=0.1)
+        o2 = CPUAdam(off, lr=1e-2, weight_decay=0.1, nvme_offload_fraction=0.5,
+                     nvme_offload_dir=str(tmp_path))
+        for step in range(4):
+            grads = _grads(step)
+            o1.step(grads=dict(zip(plain, grads, strict=False)))
+            o2.step(grads=dict(zip(off, grads, strict=False)))
+        assert o2._store.io_cpu_seconds > 0.0
+        o2.close()
+    finally:
+        torch.set_num_threads(threads)
+    # The first step leaves a core to the IO (nothing measured yet); then the measurements
+    # decide: a zero cost means all cores compute, a huge one always leaves a core free.
+    assert chosen == [1] + ([None] * 3 if cost == 0.0 else [1] * 3)
+    for a, b in zip(plain, off, strict=False):
+        assert torch.equal(a, b)
+    assert os.listdir(tmp_path) == []

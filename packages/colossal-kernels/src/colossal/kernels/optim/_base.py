@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,11 @@ class _Entry:
     grad: torch.Tensor
     copy: torch.Tensor | None
     state: dict[str, Any]
+
+
+# Compute may take this many times the IO time on one core fewer before all cores compute
+# (and the IO thread preempts OpenMP threads): see AdamBase._offload_threads.
+_OVERSUBSCRIBE_COST = 1.25
 
 
 def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -99,6 +105,8 @@ class AdamBase(Optimizer):
         self._offload_keys: dict[torch.Tensor, int] = {}
         self._planned: set[torch.Tensor] = set()
         self._broken: str | None = None
+        self._io_mark = 0.0  # store.io_cpu_seconds at the start of the last offloaded step
+        self._compute_core_s: float | None = None  # last offloaded step's compute core-seconds
         if self.nvme_offload_fraction > 0.0:
             self._store = NVMeStateStore(nvme_offload_dir)
 
@@ -240,20 +248,23 @@ class AdamBase(Optimizer):
             cpu_batches = [(h, d, es) for h, d, es in batches if d.type == "cpu"]
             slices = _split_by_numel(cpu_batches, len(offloaded) + 1)
             cpu = torch.device("cpu")
-            # All threads compute; the IO thread time-shares with them. (Leaving it a core of
-            # its own measured slower on the 2-core benchmark machine.)
-            threads = None
+            threads = self._offload_threads()
+            started = time.perf_counter()
 
             def run_slice(i: int) -> None:
                 for hyper, entries in slices[i]:
                     self._update(cpu, hyper, entries, threads)
 
             kernel = self._kernel_for(cpu)
-            for i, exp_avg, exp_avg_sq in self._start_offloaded(offloaded, run_slice):
+            pipeline = self._start_offloaded(offloaded, run_slice)
+            for i, exp_avg, exp_avg_sq in pipeline:
                 hyper, e = offloaded[i]
                 kernel([e.param], [e.grad], [exp_avg], [exp_avg_sq], [e.copy],
                        [e.state["step"]], hyper, num_threads=threads)
             run_slice(len(offloaded))
+            if threads is not None:  # compute alone on its cores: a clean measurement
+                busy = time.perf_counter() - started - pipeline.waited
+                self._compute_core_s = busy * threads
         except BaseException:
             if self._store is not None:
                 self._broken = ("the NVMe-offloaded optimizer state was removed after an error "
@@ -304,6 +315,29 @@ class AdamBase(Optimizer):
                                                  state.pop("exp_avg_sq").reshape(-1)]))
         logger.debug("NVMe offload: %d of %d params (%d elements)", len(self._offload_keys),
                      len(new), chosen)
+
+    def _offload_threads(self) -> int | None:
+        """Compute threads for a step with offloaded state (``None``: all of them).
+
+        Buffered file IO is CPU work (the kernel copies to and from the page cache) done by
+        one IO thread. When that thread would be the bottleneck anyway, compute runs on one
+        core fewer, so it never preempts an OpenMP thread (an OpenMP region waits for its
+        slowest thread; oversubscribing the 2 benchmark cores cost about 10 ms of an 80 ms
+        step). Only when compute on one core fewer would take clearly longer than the IO
+        (by more than that cost) do all cores compute. The choice uses the previous step's
+        measurements: the IO thread's CPU time (little when the device, not the CPU, is the
+        bottleneck) and the compute core-seconds (measured with a core left free).
+        """
+        assert self._store is not None
+        n = torch.get_num_threads()
+        io_s = self._store.io_cpu_seconds - self._io_mark
+        self._io_mark = self._store.io_cpu_seconds
+        if n < 2:
+            return None
+        core_s = self._compute_core_s
+        if core_s is None or _OVERSUBSCRIBE_COST * io_s * (n - 1) >= core_s:
+            return n - 1
+        return None
 
     def _start_offloaded(self, offloaded: list[tuple[AdamHyper, _Entry]],
                          before_wait: Callable[[int], None]) -> StatePipeline:

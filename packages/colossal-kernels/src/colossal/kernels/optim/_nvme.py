@@ -18,6 +18,7 @@ import ctypes
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -97,6 +98,9 @@ class NVMeStateStore:
         self._pending: list[concurrent.futures.Future[None]] = []
         self._buffers: list[torch.Tensor] = []
         self._closed = False
+        # CPU seconds the IO thread spent in reads and writes: buffered IO is CPU work (the
+        # kernel copies to and from the page cache); a read waiting for the device is not.
+        self.io_cpu_seconds = 0.0
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._executor)
 
     @property
@@ -108,13 +112,20 @@ class NVMeStateStore:
         """File holding the states with key ``key``."""
         return os.path.join(self.directory, f"state-{key}.bin")
 
-    def _submit(self, fn: object, *args: object) -> concurrent.futures.Future[None]:
+    def _submit(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future[None]:
         if self._closed:
             raise RuntimeError("the NVMe state store is closed; its files were removed")
-        future = self._executor.submit(fn, *args)  # type: ignore[arg-type]
+        future = self._executor.submit(self._timed, fn, *args)
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
         self._pending.append(future)
         return future
+
+    def _timed(self, fn: Callable[..., None], *args: object) -> None:
+        start = time.thread_time()
+        try:
+            fn(*args)
+        finally:  # only the one IO thread adds to it
+            self.io_cpu_seconds += time.thread_time() - start
 
     def read_async(self, key: int, out: torch.Tensor) -> concurrent.futures.Future[None]:
         """Fill ``out`` from the file of ``key`` (zeros if never written) in the background."""
@@ -187,6 +198,7 @@ class StatePipeline:
         largest = max((n for _, n in self.items), default=0)
         self._slots = store.buffers(2 * largest, self.depth) if self.items else []
         self._reads: dict[int, concurrent.futures.Future[None]] = {}
+        self.waited = 0.0  # seconds the iteration blocked on reads
         for i in range(self.depth):
             self._queue_read(i)
 
@@ -201,7 +213,9 @@ class StatePipeline:
         for i, (key, numel) in enumerate(self.items):
             if self.before_wait is not None:
                 self.before_wait(i)  # in-memory work that overlaps the read
+            start = time.perf_counter()
             self._reads.pop(i).result()
+            self.waited += time.perf_counter() - start
             buf = self._buffer(i)
             yield i, buf[:numel], buf[numel:]
             self.store.write_async(key, buf)

@@ -151,15 +151,60 @@ def test_format_bytes() -> None:
         "-", "0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 TiB"]  # fmt: skip
 
 
+def _assert_png(path, size: tuple[int, int]) -> None:
+    """A complete PNG of ``size`` (width, height) pixels with some content."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == size
+    assert len(data) > 10_000, len(data)  # two bar charts with titles and labels, not a blank
+
+
 def test_chart(tmp_path, monkeypatch) -> None:
     rows = [_ok_row(c) for c in enumerate_configs(2, NOW)]
-    pytest.importorskip("matplotlib")
-    path = write_chart(tmp_path / "c.png", rows)
-    assert path == tmp_path / "c.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path = write_chart(tmp_path / "c.png", rows)  # matplotlib is in the test extra
+    assert path == tmp_path / "c.png"
+    _assert_png(path, (960, 400))  # 4 configurations: figsize 9.6x4 inches at 100 dpi
     failed = [failure_row(enumerate_configs(1, NOW)[0], "failed", "x")]
     assert write_chart(tmp_path / "d.png", failed) == "no chart: no configuration succeeded"
+    assert not (tmp_path / "d.png").exists()
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     assert "pip install 'colossal-cli[plot]'" in str(write_chart(tmp_path / "e.png", rows))
+
+
+def test_benchmark_output_writes_json_and_png(tmp_path, monkeypatch) -> None:
+    """``benchmark --output`` through the CLI, with the runs faked (no meta-package needed)."""
+    monkeypatch.setattr(command, "installed_plugins", lambda: list(NOW))
+    seen: list[tuple[str, BenchSettings]] = []
+
+    def fake_run_all(configs, settings, on_done=None):
+        rows = []
+        for i, cfg in enumerate(configs):
+            seen.append((cfg.name, settings))
+            rows.append({**_ok_row(cfg), "tokens_per_s": 1000.0 * (i + 1)})
+            if on_done is not None:
+                on_done(cfg, rows[-1])
+        return rows
+
+    monkeypatch.setattr(command, "run_all", fake_run_all)
+    out = tmp_path / "res" / "bench.json"
+    res = CliRunner().invoke(cli, [
+        "benchmark", "--cpu", "--nproc", "2", "--filter", "ddp,zero*", "--steps", "2",
+        "--model-size", "small", "--seq-len", "16", "--batch-size", "3", "--output", str(out),
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert [name for name, _ in seen] == ["ddp", "zero1", "zero2"]
+    assert seen[0][1] == BenchSettings(2, True, steps=2, model_size="small", seq_len=16,
+                                       batch_size=3)  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert [r["name"] for r in doc["rows"]] == ["ddp", "zero1", "zero2"]
+    assert doc["settings"] == {"devices": 2, "cpu": True, "steps": 2, "warmup": 1,
+                               "model_size": "small", "seq_len": 16, "batch_size": 3,
+                               "timeout": 600.0}  # fmt: skip
+    png = out.with_suffix(".png")
+    assert f"wrote {out} and {png}" in " ".join(res.output.split())
+    _assert_png(png, (800, 400))
 
 
 def test_worker_command_exact() -> None:

@@ -7,12 +7,16 @@ import pytest
 from click.testing import CliRunner
 
 from colossal.cli import HostInfo, filter_hosts, parse_host_list, parse_hostfile
-from colossal.cli.launch_command import forwarded_env, parse_extra_launch_args
+from colossal.cli.launch_command import (
+    NOT_FORWARDED_ENV_NAMES,
+    forwarded_env,
+    parse_extra_launch_args,
+)
 from colossal.cli.main import cli
-from colossal.cli.run_command import plan_launch
+from colossal.cli.run_command import misplaced_option_error, plan_launch
 
 PY = sys.executable
-ENV = {"PATH": "/usr/bin", "NCCL_DEBUG": "INFO", "SECRET_TOKEN": "x", "PYTHONPATH": "/a b"}
+ENV = {"PATH": "/usr/bin", "NCCL_DEBUG": "INFO", "HOSTNAME": "me", "PYTHONPATH": "/a b"}
 
 
 def test_single_node_exact_command() -> None:
@@ -52,8 +56,39 @@ def test_multi_node_exact_commands() -> None:
         )
 
 
-def test_env_forwarding_drops_unrelated_variables() -> None:
-    assert forwarded_env(ENV) == {"NCCL_DEBUG": "INFO", "PATH": "/usr/bin", "PYTHONPATH": "/a b"}
+def test_env_forwarding_exact_set() -> None:
+    env = {
+        # forwarded: everything a job may need, including the user's own variables
+        "PATH": "/usr/bin", "PYTHONPATH": "/a b", "NCCL_DEBUG": "INFO", "DATA": "/data",
+        "WANDB_API_KEY": "k", "CUDA_VISIBLE_DEVICES": "0,1", "MULTI": "a\nb", "EMPTY": "",
+        "lower_case": "1",
+        # dropped: this host, shell, login, terminal, scheduler or torchrun
+        "HOSTNAME": "n1", "PWD": "/w", "OLDPWD": "/", "SHLVL": "2", "_": "/usr/bin/colossal",
+        "HOME": "/root", "USER": "u", "SHELL": "/bin/bash", "TERM": "xterm", "DISPLAY": ":0",
+        "TERM_PROGRAM": "vscode", "SSH_AUTH_SOCK": "/tmp/a", "SSH_CONNECTION": "1 2 3 4",
+        "SSH_TTY": "/dev/pts/0", "XDG_RUNTIME_DIR": "/run/user/0", "XDG_SESSION_ID": "3",
+        "TMUX": "/tmp/t", "LS_COLORS": "di=1", "COLUMNS": "80", "SLURM_PROCID": "0",
+        "OMPI_COMM_WORLD_RANK": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+        "MASTER_ADDR": "n1", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x",
+        # dropped: names `export` rejects
+        "BASH_FUNC_f%%": "() { :; }", "a.b": "1", "1X": "1",
+    }  # fmt: skip
+    assert forwarded_env(env) == {
+        "CUDA_VISIBLE_DEVICES": "0,1", "DATA": "/data", "EMPTY": "", "MULTI": "a\nb",
+        "NCCL_DEBUG": "INFO", "PATH": "/usr/bin", "PYTHONPATH": "/a b", "WANDB_API_KEY": "k",
+        "lower_case": "1",
+    }  # fmt: skip
+    assert list(forwarded_env(env)) == sorted(forwarded_env(env))  # stable command lines
+    assert {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "HOME"} <= NOT_FORWARDED_ENV_NAMES
+
+
+def test_env_forwarding_in_the_remote_command() -> None:
+    env = {"DATA": "/my data", "MULTI": "a\nb", "HOSTNAME": "n1", "SSH_TTY": "/dev/pts/1"}
+    plan = plan_launch("t.py", host="h1,h2", master_addr="h1", workdir="/w", environ=env)
+    for _, argv in plan.nodes:
+        assert argv[-1].startswith("cd /w && export DATA='/my data' MULTI='a\nb' && exec ")
+        words = shlex.split(argv[-1])
+        assert words[4:6] == ["DATA=/my data", "MULTI=a\nb"]  # the shell sees the exact values
 
 
 def test_multi_node_needs_master_addr() -> None:
@@ -125,6 +160,49 @@ def test_hostfile_include_num_nodes_commands(tmp_path) -> None:
     assert [h for h, _ in plan.nodes] == ["h1"]
     with pytest.raises(ValueError, match="--num_nodes 4 is more than the 3 available"):
         plan_launch("t.py", hostfile=path, num_nodes=4, master_addr="h1")
+
+
+def test_include_through_the_built_commands(tmp_path) -> None:
+    path = _hostfile(tmp_path, "h1 slots=4\nh2 slots=4\nh3 slots=4\nh4 slots=4\n")
+    plan = plan_launch("t.py", ("--x",), hostfile=path, include="h4,h2", master_addr="h2",
+                       master_port=2000, workdir="/w", environ={})  # fmt: skip
+    assert plan.local is None
+    assert [h for h, _ in plan.nodes] == ["h2", "h4"]  # hostfile order, not --include order
+    for rank, (host, argv) in enumerate(plan.nodes):
+        assert argv[-2] == host
+        assert argv[-1] == (
+            f"cd /w && exec {PY} -m torch.distributed.run --nproc_per_node=4 --nnodes=2 "
+            f"--node_rank={rank} --master_addr=h2 --master_port=2000 t.py --x"
+        )
+    plan = plan_launch("t.py", host="h1,h2,h3", include="h3", master_addr="h3", environ={})
+    assert [h for h, _ in plan.nodes] == ["h3"]
+    assert "--nproc_per_node=1 --nnodes=1 --node_rank=0 --master_addr=h3 " in plan.nodes[0][1][-1]
+    plan = plan_launch("t.py", host="localhost:2,h2", include="localhost")
+    assert plan.nodes == [] and plan.local is not None  # only this machine left: no ssh
+    assert "--nproc_per_node=2" in plan.local
+    with pytest.raises(ValueError, match="--include names h9"):
+        plan_launch("t.py", hostfile=path, include="h1,h9", master_addr="h1")
+
+
+def test_misplaced_option_is_a_usage_error() -> None:
+    known = ["--nproc_per_node", "--nproc-per-node", "--master_addr", "--host"]
+    msg = misplaced_option_error("--nprocs_per_node", known)
+    assert msg is not None
+    assert msg.startswith("no such option: --nprocs_per_node (did you mean --nproc_per_node?)")
+    assert "see `colossal run --help`" in str(misplaced_option_error("--zzz=3", known))
+    assert "no such option: --zzz " in str(misplaced_option_error("--zzz=3", known))
+    assert misplaced_option_error("train.py", known) is None
+    assert misplaced_option_error("-", known) is None
+    runner = CliRunner()
+    res = runner.invoke(cli, ["run", "--dry_run", "--nprocs_per_node", "2", "train.py"])
+    assert res.exit_code == 2, res.output
+    assert "no such option: --nprocs_per_node (did you mean --nproc_per_node?)" in res.output
+    res = runner.invoke(cli, ["run", "--dry_run", "--master-adr=h1", "train.py"])
+    assert res.exit_code == 2 and "--master-adr (did you mean --master-addr?)" in res.output
+    # Options after the script still belong to the script.
+    res = runner.invoke(cli, ["run", "--dry_run", "train.py", "--nprocs_per_node", "2"])
+    assert res.exit_code == 0, res.output
+    assert shlex.split(res.output)[-3:] == ["train.py", "--nprocs_per_node", "2"]
 
 
 def test_differing_slots_need_nproc(tmp_path) -> None:

@@ -93,26 +93,33 @@ def _wait_for(path, timeout: float = 60) -> None:
 
 
 def test_ctrl_c_stops_every_node(tmp_path) -> None:
-    started = tmp_path / "started"
     driver = tmp_path / "driver.py"
     driver.write_text(
         textwrap.dedent(f"""
         import sys
         from colossal.cli.node_runner import run_nodes
-        sleeper = "import time, pathlib; pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
-        sys.exit(run_nodes([("a", [sys.executable, "-c", sleeper]),
-                            ("b", [sys.executable, "-c", "import time; time.sleep(60)"])]))
+        def sleeper(name):
+            return ("import os, pathlib, time; "
+                    f"pathlib.Path({str(tmp_path)!r}, {{name!r}}).write_text(str(os.getpid())); "
+                    "time.sleep(60)")
+        sys.exit(run_nodes([("a", [sys.executable, "-c", sleeper("pid_a")]),
+                            ("b", [sys.executable, "-c", sleeper("pid_b")])]))
     """)
     )
     proc = subprocess.Popen([sys.executable, str(driver)], env=cli_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    _wait_for(started)
+    _wait_for(tmp_path / "pid_a")
+    _wait_for(tmp_path / "pid_b")
+    pids = {name: int((tmp_path / f"pid_{name}").read_text()) for name in "ab"}
+    assert all(_alive(pid) for pid in pids.values())  # the check below can fail
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out
     assert "interrupted: stopping every node" in out
     assert time.monotonic() - start < 15
+    # run_nodes waits for every node it stopped, so they are gone by the time it returns.
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
 
 
 def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
@@ -136,7 +143,7 @@ def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
     time.sleep(1)
     for rank in (0, 1):
         pid = int((tmp_path / f"rank{rank}").read_text())
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank {rank} survived"
+        assert not _alive(pid), f"rank {rank} survived"
 
 
 def _is_zombie(pid: int) -> bool:
@@ -145,3 +152,8 @@ def _is_zombie(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)

@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,11 +81,32 @@ def ssh_localhost(tmp_path: Path) -> Iterator[tuple[Path, int]]:
             proc.kill()
 
 
-def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str):
+#: Rank 0 records its pid and its torchrun agent's pid, then sleeps; rank 1 fails once rank 0
+#: has started, so only stopping the job can end rank 0 before its sleep does.
+PID_SCRIPT = textwrap.dedent(
+    """
+    import os, pathlib, sys, time
+    here = pathlib.Path(sys.argv[1])
+    if os.environ["RANK"] == "0":
+        (here / "rank0.tmp").write_text(f"{os.getpid()} {os.getppid()}")
+        (here / "rank0.tmp").rename(here / "rank0")
+        time.sleep(120)
+    else:
+        while not (here / "rank0").exists():
+            time.sleep(0.1)
+        print("rank 1 fails on purpose", flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str,
+         script_text: str = RANK_SCRIPT) -> subprocess.CompletedProcess[str]:  # fmt: skip
     script = tmp_path / "ranks.py"
-    script.write_text(RANK_SCRIPT)
+    script.write_text(script_text)
     env = cli_env()
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    env["MY_JOB_SETTING"] = "a b'c"  # forwarded with the whole environment
     cmd = [*colossal_cmd, "run", "--host", "localhost,127.0.0.1", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "--ssh-port", str(port), "--nproc_per_node", "1",
            str(script), *args]  # fmt: skip
@@ -92,16 +114,36 @@ def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args
                           cwd=tmp_path)  # fmt: skip
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_two_nodes_over_ssh(tmp_path, colossal_cmd, ssh_localhost) -> None:
-    done = _run(tmp_path, colossal_cmd, *ssh_localhost, "2")
+    script = RANK_SCRIPT + "\nprint('forwarded:', repr(os.environ.get('MY_JOB_SETTING')))\n"
+    done = _run(tmp_path, colossal_cmd, *ssh_localhost, "2", script_text=script)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "[localhost] rank 0/2 ok sum=3" in lines, done.stdout
     assert "[127.0.0.1] rank 1/2 ok sum=3" in lines, done.stdout
+    for host in ("localhost", "127.0.0.1"):
+        assert f'[{host}] forwarded: "a b\'c"' in lines, done.stdout
 
 
 def test_failing_node_stops_the_job(tmp_path, colossal_cmd, ssh_localhost) -> None:
-    done = _run(tmp_path, colossal_cmd, *ssh_localhost, "2", "1")
-    assert done.returncode != 0, done.stdout
+    start = time.monotonic()
+    done = _run(tmp_path, colossal_cmd, *ssh_localhost, str(tmp_path), script_text=PID_SCRIPT)
+    assert done.returncode == 1, done.stdout + done.stderr  # torchrun: a worker failed
+    assert time.monotonic() - start < 90  # rank 0 was stopped, not waited for (120 s)
     assert "[127.0.0.1] rank 1 fails on purpose" in done.stdout
-    assert "stopping every node" in done.stdout
+    assert "node 127.0.0.1 exited with code 1: stopping every node" in done.stdout
+    worker, agent = map(int, (tmp_path / "rank0").read_text().split())
+    # The other node's ssh session was closed; its torchrun gets SIGHUP and stops its worker.
+    deadline = time.monotonic() + 30
+    while (_alive(worker) or _alive(agent)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(worker), "rank 0's worker on the other node survived"
+    assert not _alive(agent), "the other node's torchrun survived"

@@ -7,6 +7,7 @@ makes them testable word for word.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from colossal.cli.hostfile import HostInfo
 
 __all__ = [
-    "FORWARDED_ENV_NAMES",
-    "FORWARDED_ENV_PREFIXES",
+    "NOT_FORWARDED_ENV_NAMES",
+    "NOT_FORWARDED_ENV_PREFIXES",
     "LaunchSpec",
     "build_node_commands",
     "build_torchrun_command",
@@ -26,13 +27,35 @@ __all__ = [
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
-#: Variables forwarded to remote nodes verbatim (when set).
-FORWARDED_ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
-#: Variables forwarded to remote nodes when their name starts with one of these.
-FORWARDED_ENV_PREFIXES = (
-    "COLOSSAL_", "NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "CUDA_", "OMP_", "MKL_",
-    "PYTORCH_", "HF_", "TRANSFORMERS_", "UCX_", "FI_", "TRITON_",
+#: Variables never forwarded to remote nodes: they describe this host, this login session or
+#: this terminal, or are set per node/process by the shell, ssh, a job scheduler or torchrun.
+NOT_FORWARDED_ENV_NAMES = frozenset({
+    # this host and this shell
+    "HOSTNAME", "HOST", "HOSTTYPE", "MACHTYPE", "OSTYPE", "PWD", "OLDPWD", "SHLVL", "_",
+    "HOME", "USER", "LOGNAME", "USERNAME", "SHELL", "MAIL", "TMPDIR", "PS1", "PS2", "PS4",
+    "PROMPT_COMMAND", "BASHOPTS", "SHELLOPTS", "BASH", "BASH_ENV", "ENV", "IFS", "CDPATH",
+    "HISTFILE",
+    # the terminal and the desktop session
+    "TERM", "TERMCAP", "COLORTERM", "COLUMNS", "LINES", "LS_COLORS", "DISPLAY",
+    "WAYLAND_DISPLAY", "XAUTHORITY", "DBUS_SESSION_BUS_ADDRESS", "SESSION_MANAGER", "TMUX",
+    "TMUX_PANE", "STY", "WINDOW", "WINDOWID", "VTE_VERSION", "GPG_AGENT_INFO", "GPG_TTY",
+    "KRB5CCNAME", "MOTD_SHOWN", "INVOCATION_ID", "JOURNAL_STREAM", "NOTIFY_SOCKET",
+    "LISTEN_PID", "LISTEN_FDS",
+    # set by torchrun for each node and worker (torchrun sets them again remotely)
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+})  # fmt: skip
+#: Variables never forwarded when their name starts with one of these.
+NOT_FORWARDED_ENV_PREFIXES = (
+    "SSH_",  # SSH_AUTH_SOCK, SSH_CONNECTION, SSH_TTY...: this login's agent and connection
+    "XDG_",  # XDG_RUNTIME_DIR, XDG_SESSION_ID...: per-host, per-login directories and ids
+    "TERM_",  # TERM_PROGRAM, TERM_SESSION_ID
+    "BASH_FUNC_",  # exported shell functions (not valid names for `export`)
+    "SLURM_", "PBS_", "PMI_", "PMIX_", "OMPI_", "LSB_",  # a scheduler's per-node/task values
+    "TORCHELASTIC_",  # the agent's state (run id, restart count, error file) on this node
 )  # fmt: skip
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -117,12 +140,20 @@ def build_torchrun_command(
 
 
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The part of ``environ`` (``os.environ`` by default) forwarded to remote nodes."""
+    """The part of ``environ`` (``os.environ`` by default) exported on every remote node.
+
+    The whole environment is forwarded, sorted by name, except: variables in
+    :data:`NOT_FORWARDED_ENV_NAMES` or starting with one of :data:`NOT_FORWARDED_ENV_PREFIXES`
+    (host-, login- or terminal-specific, or set per node by a scheduler or torchrun), and names
+    a POSIX shell cannot ``export`` (e.g. ``a.b``, ``BASH_FUNC_f%%``).
+    """
     environ = os.environ if environ is None else environ
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES)
+        if _ENV_NAME.fullmatch(k)
+        and k not in NOT_FORWARDED_ENV_NAMES
+        and not k.startswith(NOT_FORWARDED_ENV_PREFIXES)
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import shlex
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from colossal.cli.launch_command import (
 )
 from colossal.cli.node_runner import run_local, run_nodes
 
-__all__ = ["LaunchPlan", "plan_launch", "run"]
+__all__ = ["LaunchPlan", "misplaced_option_error", "plan_launch", "run"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,32 @@ def plan_launch(
     return LaunchPlan(None, nodes)
 
 
+def misplaced_option_error(user_script: str, known_options: list[str]) -> str | None:
+    """The usage error for a "script" that is really a mistyped option, else None.
+
+    ``colossal run`` passes unknown options after the script through to it, so a mistyped
+    option *before* the script (``--nprocs_per_node 2 train.py``) would otherwise be taken for
+    the script's name.
+
+    Args:
+        user_script: The first argument that was not one of ``colossal run``'s options.
+        known_options: Every option string of ``colossal run`` (e.g. ``--nproc_per_node``).
+
+    Returns:
+        A message naming the option and the closest known option, or None when
+        ``user_script`` does not start with ``-``.
+    """
+    if not user_script.startswith("-") or user_script == "-":
+        return None
+    name = user_script.split("=", 1)[0]
+    close = difflib.get_close_matches(name, known_options, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "see `colossal run --help` for the options"
+    return (
+        f"no such option: {name} ({hint}); options of `colossal run` go before the script, "
+        "its own arguments after it: colossal run [OPTIONS] SCRIPT [ARGS]..."
+    )
+
+
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     help="Launch a distributed job with torchrun on this node, or on several nodes over ssh.",
@@ -148,6 +175,11 @@ def run(
     user_args: tuple[str, ...],
 ) -> None:
     """Click entry point of ``colossal run`` (see :func:`plan_launch`)."""
+    command = click.get_current_context().command
+    known = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    error = misplaced_option_error(user_script, known)
+    if error is not None:
+        raise click.UsageError(error)
     try:
         plan = plan_launch(
             user_script, user_args, host=host, hostfile=hostfile, include=include,

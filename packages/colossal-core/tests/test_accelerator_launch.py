@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import random
+from typing import Any
+
 import pytest
 import torch
 
@@ -69,6 +73,27 @@ def test_launch_rejects_bad_arguments(kwargs: dict, match: str) -> None:
         launch(**args)
 
 
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NPROCS",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+)
+
+
+def _clear_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize(
     ("fn", "present", "missing"),
     [
@@ -84,20 +109,7 @@ def test_launch_rejects_bad_arguments(kwargs: dict, match: str) -> None:
 def test_launchers_name_missing_variables(
     monkeypatch: pytest.MonkeyPatch, fn: object, present: dict, missing: str
 ) -> None:
-    for name in (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_PROCID",
-        "SLURM_NPROCS",
-        "SLURM_NTASKS",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    _clear_launcher_env(monkeypatch)
     for k, v in present.items():
         monkeypatch.setenv(k, v)
     kwargs = {} if fn is launch_from_torch else {"host": "127.0.0.1", "port": 29500}
@@ -143,3 +155,142 @@ def test_launch_seeds_and_launch_from_torch() -> None:
     torch.manual_seed(7)
     expected += torch.rand(1).tolist()
     assert results == [expected, expected]
+
+
+@pytest.mark.parametrize(
+    ("fn", "env", "expected"),
+    [
+        (
+            launch_from_slurm,
+            {"SLURM_PROCID": "5", "SLURM_NPROCS": "8", "SLURM_NTASKS": "99", "SLURM_LOCALID": "1"},
+            {"rank": 5, "world_size": 8, "local_rank": 1},
+        ),
+        (  # SLURM_NTASKS when SLURM_NPROCS is unset; no SLURM_LOCALID: launch picks the device
+            launch_from_slurm,
+            {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"},
+            {"rank": 3, "world_size": 4},
+        ),
+        (
+            launch_from_openmpi,
+            {
+                "OMPI_COMM_WORLD_RANK": "6",
+                "OMPI_COMM_WORLD_SIZE": "16",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            },
+            {"rank": 6, "world_size": 16, "local_rank": 2},
+        ),
+    ],
+)
+def test_launchers_map_variables_to_launch_arguments(
+    monkeypatch: pytest.MonkeyPatch, fn: Any, env: dict[str, str], expected: dict[str, int]
+) -> None:
+    import sys
+
+    launch_mod = sys.modules["colossal.core.launch"]  # the package re-exports launch() itself
+    _clear_launcher_env(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(launch_mod, "launch", lambda **kwargs: calls.append(kwargs))
+    fn("node0", 29511, seed=3, verbose=False)
+    assert len(calls) == 1
+    got = {k: calls[0][k] for k in ("rank", "world_size", "local_rank") if k in calls[0]}
+    assert got == expected
+    assert (calls[0]["host"], calls[0]["port"], calls[0]["seed"]) == ("node0", 29511, 3)
+
+
+def _launch_via(rank: int, world_size: int, launcher: str) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    from colossal.core import DistCoordinator
+    from colossal.core.comm import all_reduce, broadcast_object
+    from colossal.core.testing import free_port
+
+    port = broadcast_object(free_port() if rank == 0 else None, src=0)
+    dist.destroy_process_group()
+    for name in _LAUNCHER_VARIABLES:
+        os.environ.pop(name, None)
+    if launcher == "slurm":  # one task per node: local id 0 everywhere, world from NTASKS
+        os.environ.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world_size), SLURM_LOCALID="0")
+        launch_from_slurm("127.0.0.1", port, verbose=False)
+    else:  # one node: local rank = rank + 0
+        os.environ.update(
+            OMPI_COMM_WORLD_RANK=str(rank),
+            OMPI_COMM_WORLD_SIZE=str(world_size),
+            OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+        )
+        launch_from_openmpi("127.0.0.1", port, verbose=False)
+    t = torch.ones(1)
+    all_reduce(t)
+    coord = DistCoordinator()
+    assert int(t.item()) == world_size
+    return dist.get_rank(), dist.get_world_size(), coord.local_rank
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "openmpi"])
+def test_launch_from_slurm_and_openmpi(launcher: str) -> None:
+    from colossal.core.testing import spawn
+
+    results = spawn(_launch_via, 2, args=(launcher,))
+    local = [0, 0] if launcher == "slurm" else [0, 1]
+    assert results == [(0, 2, local[0]), (1, 2, local[1])]
+
+
+def _python_and_numpy_draws(seed: int) -> tuple[list[float], list[float] | None]:
+    from colossal.core.launch import set_seed
+
+    set_seed(seed)
+    draws = [random.random() for _ in range(3)]
+    try:
+        import numpy as np
+    except ImportError:
+        return draws, None
+    return draws, np.random.rand(3).tolist()
+
+
+def test_set_seed_seeds_python_and_numpy() -> None:
+    first = _python_and_numpy_draws(11)
+    random.seed(12345)  # disturb every generator in between
+    assert _python_and_numpy_draws(11) == first
+    assert _python_and_numpy_draws(12) != first
+    random.seed(11)
+    assert first[0] == [random.random() for _ in range(3)]
+
+
+def test_set_seed_seeds_numpy_when_installed() -> None:
+    np = pytest.importorskip("numpy")
+    from colossal.core.launch import set_seed
+
+    set_seed(11)
+    a = np.random.rand(4)
+    np.random.seed(999)
+    set_seed(11)
+    assert np.array_equal(a, np.random.rand(4))
+    np.random.seed(11)
+    assert np.array_equal(a, np.random.rand(4))
+
+
+def _draws_after_launch(rank: int, world_size: int) -> tuple[list[float], list[float] | None]:
+    # The harness ran launch(seed=1024) just before calling this function.
+    draws = [random.random() for _ in range(3)]
+    try:
+        import numpy as np
+    except ImportError:
+        return draws, None
+    return draws, np.random.rand(3).tolist()
+
+
+def test_launch_seeds_python_and_numpy_on_every_rank() -> None:
+    from colossal.core.testing import spawn
+
+    results = spawn(_draws_after_launch, 2)
+    random.seed(1024)
+    expected_py = [random.random() for _ in range(3)]
+    assert [r[0] for r in results] == [expected_py, expected_py]
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(1024)
+    expected_np = np.random.rand(3).tolist()
+    assert [r[1] for r in results] == [expected_np, expected_np]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch.distributed as dist
 
-from colossal.core import DistCoordinator, ProcessGroupMesh
-from colossal.core.comm import all_gather_object
-from colossal.core.testing import distributed_test
+from colossal.core import DistCoordinator, ProcessGroupMesh, launch
+from colossal.core.comm import all_gather_object, broadcast_object
+from colossal.core.launch import get_local_rank
+from colossal.core.testing import DistributedTestError, distributed_test, free_port, spawn
 
 
 @distributed_test(1, 2, 4)
@@ -63,3 +65,105 @@ def test_print_on_master(rank: int, world_size: int, tmp_path: os.PathLike) -> N
     printed = all_gather_object(buf.getvalue())
     assert printed == ["hello 0\n", ""]
     assert dist.get_world_size() == 2
+
+
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),
+        ({"SLURM_LOCALID": "3"}, 3),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
+        ({"SLURM_LOCALID": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 3),
+        ({"LOCAL_RANK": "1", "SLURM_LOCALID": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 1),
+    ],
+)
+def test_local_rank_lookup_order(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: int | None
+) -> None:
+    for name in _LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert get_local_rank() == expected
+
+
+def test_local_rank_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "first")
+    with pytest.raises(ValueError, match="SLURM_LOCALID='first' is not an integer"):
+        get_local_rank()
+
+
+def _relaunch(rank: int, world_size: int, env: dict[str, str], **launch_kwargs: int) -> None:
+    """Tear down the harness's group and launch again with only ``env`` describing the job."""
+    port = broadcast_object(free_port() if rank == 0 else None, src=0)
+    dist.destroy_process_group()
+    for name in ("RANK", "WORLD_SIZE", *_LOCAL_RANK_VARS):
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    launch(rank, world_size, "127.0.0.1", port, verbose=False, **launch_kwargs)
+
+
+@distributed_test(2)
+def test_local_rank_from_slurm_variable(rank: int, world_size: int) -> None:
+    # Two "nodes" with one task each: SLURM_LOCALID is 0 on both, LOCAL_RANK is unset.
+    _relaunch(rank, world_size, {"SLURM_LOCALID": "0"})
+    coord = DistCoordinator()
+    assert (coord.rank, coord.local_rank) == (rank, 0)
+    assert coord.is_node_master()
+
+
+@distributed_test(2)
+def test_local_rank_given_to_launch_wins(rank: int, world_size: int) -> None:
+    _relaunch(rank, world_size, {"LOCAL_RANK": "9"}, local_rank=rank + 5)
+    assert DistCoordinator().local_rank == rank + 5
+    assert not DistCoordinator().is_node_master()
+
+
+def _master_raises(rank: int, world_size: int) -> None:
+    with DistCoordinator().priority_execution() as first:
+        if first:
+            raise ValueError("planted failure in the executor's body")
+    all_gather_object(rank)  # the others go on to their next collective
+
+
+def test_priority_execution_raising_master_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        spawn(_master_raises, 2, comm_timeout=120)
+    assert time.monotonic() - start < 60, "the run waited for the collective timeout"
+    message = str(info.value)
+    assert "rank 0 of 2 failed" in message
+    assert "ValueError: planted failure in the executor's body" in message
+
+
+def _master_raises_others_proceed(rank: int, world_size: int, directory: str) -> float:
+    passed = os.path.join(directory, f"rank{rank}_passed")
+    start = time.monotonic()
+    try:
+        with DistCoordinator().priority_execution() as first:
+            if first:
+                raise ValueError("planted")
+    except ValueError:
+        assert rank == 0, "only the executor's body raised"
+        # The error surfaced on the executor; the others must not be stuck in the barrier.
+        deadline = time.monotonic() + 20
+        others = [os.path.join(directory, f"rank{r}_passed") for r in range(1, world_size)]
+        while not all(os.path.exists(p) for p in others):
+            assert time.monotonic() < deadline, "the other ranks are still waiting"
+            time.sleep(0.05)
+        return time.monotonic() - start
+    assert rank != 0, "the executor's error was swallowed"
+    with open(passed, "w") as fh:
+        fh.write("ok")
+    return time.monotonic() - start
+
+
+def test_priority_execution_raising_master_releases_the_others(tmp_path: os.PathLike) -> None:
+    # comm_timeout 60: without the barrier in a finally, rank 1 would wait that long.
+    elapsed = spawn(_master_raises_others_proceed, 2, args=(str(tmp_path),), comm_timeout=60)
+    assert max(elapsed) < 20

@@ -51,6 +51,36 @@ def test_mesh_2x2x1(rank: int, world_size: int) -> None:
     assert mesh.size("pp") == 2 and mesh.size() == (2, 2, 1)
 
 
+@distributed_test(4)
+def test_mesh_2x2x1_dp_alone_by_name_and_index(rank: int, world_size: int) -> None:
+    from colossal.core.comm import all_gather, broadcast
+
+    mesh = ProcessGroupMesh(2, 2, 1, axis_names=("pp", "dp", "tp"))
+    dp = mesh.get_group_along_axis("dp")
+    expected_dp = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    assert mesh.get_ranks_in_group(dp) == expected_dp
+    assert mesh.all_groups_along_axis("dp") == [[0, 1], [2, 3]]
+    assert _sum_of_ranks(dp) == sum(expected_dp)
+    # Index and name address the same cached groups.
+    assert mesh.get_group_along_axis(1) is dp
+    assert mesh.get_group_along_axis(0) is mesh.get_group_along_axis("pp")
+    assert mesh.get_group_along_axis(2) is mesh.get_group_along_axis("tp")
+    assert mesh.coordinate(1) == mesh.coordinate("dp") == rank % 2
+    # The size-1 axis: a group of this rank alone; collectives over it return the input.
+    tp = mesh.get_group_along_axis("tp")
+    assert mesh.get_ranks_in_group(tp) == [rank]
+    value = torch.arange(3, dtype=torch.float32) + 10 * rank
+    reduced = value.clone()
+    all_reduce(reduced, group=tp)
+    assert torch.equal(reduced, value)
+    sent = value.clone()
+    broadcast(sent, src=rank, group=tp)
+    assert torch.equal(sent, value)
+    gathered = torch.full_like(value, -1.0)
+    all_gather(gathered, value, group=tp)
+    assert torch.equal(gathered, value)
+
+
 @distributed_test(1, 2)
 def test_mesh_one_axis(rank: int, world_size: int) -> None:
     mesh = ProcessGroupMesh(world_size)

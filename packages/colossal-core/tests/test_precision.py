@@ -139,3 +139,48 @@ def test_overflow_agreed_across_ranks(rank: int, world_size: int) -> None:
     assert scaler.scale == 2**9
     assert not scaler.check_overflow([torch.ones(2)])
     assert agree_overflow(rank == 0) is True
+
+
+@distributed_test(4)
+def test_overflow_agreed_within_a_subgroup_only(rank: int, world_size: int) -> None:
+    from colossal.core import ProcessGroupMesh
+
+    mesh = ProcessGroupMesh(2, 2, axis_names=("dp", "tp"))
+    tp = mesh.get_group_along_axis("tp")  # tp groups: [0, 1] and [2, 3]
+    grads = [torch.ones(4)]
+    if rank == 3:
+        grads.append(torch.tensor([math.nan]))
+    scaler = DynamicGradScaler(hysteresis=1)
+    with CommTracker() as tracker:
+        overflow = scaler.check_overflow(grads, group=tp)
+    expected = rank in (2, 3)  # rank 3's group learns of it; the group [0, 1] does not
+    assert overflow == expected, f"rank {rank}: overflow={overflow}, expected {expected}"
+    assert tracker.calls("all_reduce") == 1
+    # A sequence of groups ORs along each in turn: tp then dp reaches every rank.
+    dp = mesh.get_group_along_axis("dp")
+    assert agree_overflow(rank == 3, [tp, dp]) is True
+
+
+class _RecordingAccelerator:
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def get_current_device(self) -> torch.device:
+        self.asked += 1
+        return torch.device("cpu")
+
+
+def test_overflow_flag_lives_on_the_accelerator_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import colossal.core.precision.scaler as scaler_mod
+
+    acc = _RecordingAccelerator()
+    seen: list[torch.device] = []
+
+    def fake_all_reduce(t: torch.Tensor, op: object = None, group: object = None) -> None:
+        seen.append(t.device)
+
+    monkeypatch.setattr(scaler_mod.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(scaler_mod, "get_accelerator", lambda: acc)
+    monkeypatch.setattr(scaler_mod, "all_reduce", fake_all_reduce)
+    assert agree_overflow(True) is True
+    assert acc.asked == 1 and seen == [torch.device("cpu")]

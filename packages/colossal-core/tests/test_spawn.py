@@ -95,3 +95,25 @@ def test_decorator_forwards_params(rank: int, world_size: int, scale: float) -> 
 
 def test_comm_error_is_runtime_error() -> None:
     assert issubclass(CommError, RuntimeError)
+
+
+def test_port_in_use_is_retried_on_another_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import sys
+
+    spawn_mod = sys.modules["colossal.core.testing.spawn"]  # the package re-exports spawn()
+    real_free_port = spawn_mod.free_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(8)  # rank 0's rendezvous store cannot listen on this port
+        busy = taken.getsockname()[1]
+        ports: list[int] = []
+
+        def first_busy_then_free() -> int:
+            ports.append(busy if not ports else real_free_port())
+            return ports[-1]
+
+        monkeypatch.setattr(spawn_mod, "free_port", first_busy_then_free)
+        values = spawn(_rank_and_env, 2, args=(0,), timeout=120)
+    assert values == [(0, 2, "127.0.0.1", 1), (1, 2, "127.0.0.1", 1)]
+    assert len(ports) == 2 and ports[0] == busy and ports[1] != busy

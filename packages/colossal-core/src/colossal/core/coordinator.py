@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from colossal.core.comm import barrier
+from colossal.core.launch import get_local_rank
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -38,7 +38,8 @@ class DistCoordinator:
         self._group = group
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
-        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        local_rank = get_local_rank()
+        self._local_rank = self._rank if local_rank is None else local_rank
 
     @property
     def rank(self) -> int:
@@ -52,7 +53,12 @@ class DistCoordinator:
 
     @property
     def local_rank(self) -> int:
-        """Rank on this node (``LOCAL_RANK``; the global rank when unset)."""
+        """Rank on this node, from the launcher used (the global rank when none gave one).
+
+        See :func:`colossal.core.launch.get_local_rank` for the lookup order: the value
+        ``launch`` received, then ``LOCAL_RANK``, ``SLURM_LOCALID``,
+        ``OMPI_COMM_WORLD_LOCAL_RANK``.
+        """
         return self._local_rank
 
     def _resolve(self, group: ProcessGroup | None) -> ProcessGroup | None:
@@ -95,16 +101,20 @@ class DistCoordinator:
         """Run the body on ``executor_rank`` first, then on every other rank of ``group``.
 
         Typical use: one rank downloads or preprocesses, the others then read its result.
-        Yields whether this rank is the executor.
+        Yields whether this rank is the executor. If the executor's body raises, it still
+        enters the barrier the others wait in (so they go on at once instead of waiting for
+        the collective timeout) and then re-raises its error.
         """
         group = self._resolve(group)
         rank_in_group = dist.get_rank(group) if group is not None else self._rank
         first = rank_in_group == executor_rank
         if not first:
             barrier(group)
-        yield first
-        if first:
-            barrier(group)
+        try:
+            yield first
+        finally:
+            if first:
+                barrier(group)
 
     def on_master_only(
         self, group: ProcessGroup | None = None

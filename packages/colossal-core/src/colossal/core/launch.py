@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Collectives that wait longer than this fail with an error naming the rank (see launch)."""
 
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+"""Environment variables holding the local rank (torchrun, SLURM, OpenMPI), in lookup order."""
+
+# The local rank given to (or read from the environment by) the last successful launch() of
+# this process; None when launch was not used or got none. A plain int, never a process group.
+_launched_local_rank: int | None = None
+
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:
     if isinstance(timeout, timedelta):
@@ -66,8 +73,9 @@ def launch(
         port: Free port on ``host``.
         backend: ``torch.distributed`` backend; the accelerator's (nccl on CUDA, gloo on CPU)
             when ``None``.
-        local_rank: Rank on this node; selects the CUDA device. Defaults to ``rank`` modulo the
-            number of visible devices.
+        local_rank: Rank on this node; selects the CUDA device (defaults to ``rank`` modulo the
+            number of visible devices) and is what :func:`get_local_rank` (and so
+            ``DistCoordinator.local_rank``) reports afterwards.
         seed: Seed for python, numpy and torch (the same on every rank).
         verbose: Log a line on rank 0 once the group is up.
         timeout: Seconds (or a ``timedelta``) after which a stuck collective raises instead of
@@ -104,6 +112,8 @@ def launch(
         world_size=world_size,
         timeout=_as_timedelta(timeout),
     )
+    global _launched_local_rank
+    _launched_local_rank = local_rank
     _register_exit_hook()
     set_seed(seed)
     if verbose and rank == 0:
@@ -122,8 +132,40 @@ def destroy() -> None:
     clean interpreter exit: a gloo group still alive while the interpreter shuts down can abort
     the process (``terminate called without an active exception``) after all work is done.
     """
+    global _launched_local_rank
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _launched_local_rank = None
+
+
+def get_local_rank() -> int | None:
+    """This process's rank on its node, from the launcher that started it.
+
+    Lookup order: the ``local_rank`` that :func:`launch` received (``launch_from_slurm`` and
+    ``launch_from_openmpi`` pass the launcher's value), then the environment variables
+    ``LOCAL_RANK`` (torchrun, ``colossal run``), ``SLURM_LOCALID`` (``srun``) and
+    ``OMPI_COMM_WORLD_LOCAL_RANK`` (``mpirun``), the first one set.
+
+    Returns:
+        The local rank, or ``None`` when no launcher gave one.
+
+    Raises:
+        ValueError: The variable found is not an integer (its name and value are given).
+    """
+    if _launched_local_rank is not None:
+        return _launched_local_rank
+    for name in LOCAL_RANK_VARIABLES:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {name}={raw!r} is not an integer local rank; unset it "
+                "or set it to this process's rank on its node"
+            ) from None
+    return None
 
 
 _EXIT_HOOK = False

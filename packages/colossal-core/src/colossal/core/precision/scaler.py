@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from colossal.core.accelerator import get_accelerator
 from colossal.core.comm import all_reduce
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,13 @@ def agree_overflow(overflow: bool, group: Groups = None) -> bool:
     """OR ``overflow`` over every rank of ``group`` (or of each group in a sequence).
 
     Every rank of the group must call this, whatever it holds, or the others wait. Without
-    an initialized process group the local verdict is returned.
+    an initialized process group the local verdict is returned. The flag lives on the
+    accelerator's current device (nccl only reduces CUDA tensors; gloo reduces CPU ones).
     """
     if not dist.is_initialized():
         return overflow
-    flag = torch.tensor([1.0 if overflow else 0.0])
+    device = get_accelerator().get_current_device()
+    flag = torch.tensor([1.0 if overflow else 0.0], device=device)
     groups = group if isinstance(group, Sequence) else [group]
     for g in groups:
         all_reduce(flag, op=ReduceOp.MAX, group=g)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -182,49 +179,91 @@ def test_other_models_checkpoint_is_refused(tmp_path) -> None:
         booster.load_model(wider, path)
 
 
-_KILL_MID_SAVE = textwrap.dedent(
-    """
-    import os, sys, torch
-    from colossal.booster import Booster
+class _SavePretrainedOnly:
+    """A config with only ``save_pretrained`` (duck-typed like a Hugging Face config)."""
+
+    def save_pretrained(self, directory: str) -> None:
+        with open(os.path.join(directory, "config.json"), "w") as file:
+            json.dump({"model_type": "toy", "hidden": 16}, file)
+
+
+def test_duck_typed_config_is_saved_with_the_weights(tmp_path) -> None:
+    model = make_model()
+    model.config = _SavePretrainedOnly()
+    model.generation_config = None
     booster = Booster()
-    model, *_ = booster.boost(torch.nn.Linear(2048, 2048))
-    with torch.no_grad():
-        model.weight.fill_(7.0)
-    booster.save_model(model, sys.argv[1], shard=True, size_per_shard=1, use_async=True)
-    os._exit(1)  # the process dies while the background writes are in flight
-    """
-)
+    boosted, *_ = booster.boost(model)
+    booster.save_model(boosted, str(tmp_path / "a"), use_async=True)
+    booster.wait_async_saves()
+    config = json.load(open(tmp_path / "a" / "config.json"))
+    assert config == {"model_type": "toy", "hidden": 16, "architectures": ["Net"]}
+    assert not os.path.exists(tmp_path / "a" / "generation_config.json")
+    _, _, plain = _plain(tmp_path / "b")  # no config attribute: no config file
+    assert not os.path.exists(os.path.join(plain, "config.json"))
 
 
-def test_interrupted_save_keeps_old_checkpoint(tmp_path) -> None:
-    booster, model, path = _plain(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-c", _KILL_MID_SAVE, path], env=env, check=False)
-    fresh = make_model(seed=5)
-    booster.load_model(fresh, path)
-    for k, v in model.state_dict().items():
-        torch.testing.assert_close(fresh.state_dict()[k], v)
+# The kill-mid-write tests (sync and async) are in test_checkpoint_integrity.py.
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _save_gpt2(rank: int, world_size: int, path: str) -> None:
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(_gpt2())
+    booster.save_model(model, path, shard=True, size_per_shard=0.05)
+
+
+def _check_gpt2_dir(path: str, reference: nn.Module, ids: torch.Tensor) -> None:
+    import transformers
+
+    config = json.load(open(os.path.join(path, "config.json")))
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_embd"] == 32
+    assert os.path.isfile(os.path.join(path, "generation_config.json"))
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert len(files) > 1  # sharded, with an index
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(path)  # no hand-written config
+    loaded.eval()
+    torch.testing.assert_close(loaded(ids).logits, reference(ids).logits)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(path)
+    auto.eval()
+    torch.testing.assert_close(auto(ids).logits, reference(ids).logits)
 
 
 def test_gpt2_from_pretrained(tmp_path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    """save_model writes config.json itself: from_pretrained loads world 1 and world 2 saves."""
+    pytest.importorskip("transformers")
+    model = _gpt2()
+    model.eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     booster = Booster()
     boosted, *_ = booster.boost(model)
     path = str(tmp_path / "gpt2")
     booster.save_model(boosted, path, shard=True, size_per_shard=0.05)
-    config.save_pretrained(path)
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(path)
-    ids = torch.randint(0, 64, (2, 16))
-    model.eval()
-    loaded.eval()
-    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
-    back = transformers.GPT2LMHeadModel(config)
+    _check_gpt2_dir(path, model, ids)
+    back = _gpt2()
+    with torch.no_grad():
+        for p in back.parameters():
+            p.zero_()
     Booster().load_model(back, path)
     back.eval()
     torch.testing.assert_close(back(ids).logits, model(ids).logits)
+    sharded = str(tmp_path / "gpt2-w2")
+    spawn(_save_gpt2, 2, args=(sharded,))
+    _check_gpt2_dir(sharded, model, ids)
 
 
 def _slices_and_precisions(rank: int, world_size: int, root: str) -> None:

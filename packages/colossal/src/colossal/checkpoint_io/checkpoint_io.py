@@ -30,6 +30,8 @@ __all__ = ["MODEL_INDEX", "OPTIMIZER_INDEX", "CheckpointIO", "TensorReader"]
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 SCHEDULER_FILE = "lr_scheduler.json"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class TensorReader:
@@ -84,13 +86,19 @@ class CheckpointIO:
 
     Args:
         group: The ranks that write and read together (the whole job when None).
-        verify_checksums: Check every file's CRC-32 before loading.
+        verify_checksums: Check every file's CRC-32 before loading (each file read by one
+            rank of ``group``; sizes are always checked).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
         self.group = group
         self.verify_checksums = verify_checksums
         self.saver = ShardedSaver(group)
+
+    def _rank(self) -> int:
+        if not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.group)
 
     # ---- hooks for plugins -----------------------------------------------------------------
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -136,6 +144,9 @@ class CheckpointIO:
     ) -> None:
         """Save ``model`` as the directory ``checkpoint`` (collective).
 
+        A Hugging Face model's ``config.json`` (and ``generation_config.json``) is written with
+        the weights and committed with them, so ``from_pretrained(checkpoint)`` loads it.
+
         Args:
             model: A boosted (or plain) model.
             checkpoint: Target directory (replaced atomically when the save completes).
@@ -167,10 +178,14 @@ class CheckpointIO:
             use_async=use_async,
             gather=self.to_full,
             background=set(params) if background_snapshot else (),
+            extra_files=hf_config_files(unwrap_model(model)) if self._rank() == 0 else None,
         )
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
-        """Load a model directory saved by any plugin at any world size (collective-free).
+        """Load a model directory saved by any plugin at any world size.
+
+        Collective over the group when it has several ranks (they share the checksum reads
+        and agree on the verdict); each rank reads only the tensors or slices it keeps.
 
         Raises:
             CheckpointError: Incomplete/corrupt checkpoint, missing or unexpected tensors
@@ -178,7 +193,7 @@ class CheckpointIO:
         """
         self.wait_snapshots()
         directory = resolve_directory(checkpoint)
-        index = read_index(directory, MODEL_INDEX, self.verify_checksums)
+        index = read_index(directory, MODEL_INDEX, self.verify_checksums, self.group)
         reader = TensorReader(directory, index["weight_map"])
         module = unwrap_model(model)
         targets, aliases = _load_targets(module.state_dict())
@@ -240,12 +255,14 @@ class CheckpointIO:
     def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
         """Load an optimizer directory saved by any plugin at any world size.
 
+        Collective over the group when it has several ranks, as :meth:`load_model`.
+
         Raises:
             CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters.
         """
         self.wait_snapshots()
         directory = resolve_directory(checkpoint)
-        index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums)
+        index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
         reader = TensorReader(directory, index["weight_map"])
         self.load_optimizer_state(optimizer, index, reader)
         reader.close()
@@ -281,6 +298,57 @@ class CheckpointIO:
     def synchronize(self) -> None:
         """Wait until every async save has been committed on every rank (collective)."""
         self.saver.synchronize()
+
+
+def hf_config_files(module: nn.Module) -> dict[str, str]:
+    """The Hugging Face config files of ``module``: file name -> JSON text (empty if none).
+
+    Duck-typed, without importing transformers: ``module.config`` with ``to_json_string()``
+    (or only ``save_pretrained``) gives ``config.json``, with ``architectures`` filled in as
+    ``save_pretrained`` does; a non-None ``module.generation_config`` with
+    ``to_json_string()`` gives ``generation_config.json``. The text is taken now, so later
+    changes to the configs do not reach an async save.
+    """
+    out: dict[str, str] = {}
+    config = getattr(module, "config", None)
+    text = None
+    if callable(getattr(config, "to_json_string", None)):
+        text = config.to_json_string()
+    elif callable(getattr(config, "save_pretrained", None)):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            config.save_pretrained(tmp)
+            file = os.path.join(tmp, CONFIG_FILE)
+            if os.path.isfile(file):
+                with open(file, encoding="utf-8") as handle:
+                    text = handle.read()
+    if isinstance(text, str):
+        out[CONFIG_FILE] = _with_architectures(text, module)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and callable(getattr(generation, "to_json_string", None)):
+        text = generation.to_json_string()
+        if isinstance(text, str):
+            out[GENERATION_CONFIG_FILE] = text
+    return out
+
+
+def _with_architectures(text: str, module: nn.Module) -> str:
+    """``text`` with ``architectures`` set to the model's class when it is not set."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if not isinstance(config, dict) or config.get("architectures"):
+        return text
+    # Skip wrapper classes made by torch (FSDP2 turns ``Net`` into ``FSDPNet``).
+    cls = next(
+        (c for c in type(module).__mro__ if not c.__module__.startswith("torch.")), type(module)
+    )
+    config["architectures"] = [cls.__name__]
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def param_names(optimizer: Any) -> list[str]:

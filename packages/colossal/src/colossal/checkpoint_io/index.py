@@ -13,7 +13,10 @@ import logging
 import os
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -126,20 +129,74 @@ def write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_index(directory: str, index_name: str, verify_checksums: bool = True) -> dict[str, Any]:
+def read_index(
+    directory: str,
+    index_name: str,
+    verify_checksums: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """Read and validate an index: every file present, of the recorded size and checksum.
+
+    Every rank checks that every file exists with the recorded size (a ``stat``, no reads).
+    The CRC-32s are checked once per file over the whole group: file ``i`` (in name order)
+    is read by rank ``i % world``, and the ranks agree on the verdict, so a corrupt file is
+    refused on every rank while each rank reads only its share. With more than one rank
+    this is collective over ``group``: every rank of it must call it.
 
     Args:
         directory: The checkpoint directory.
         index_name: The index file name inside it.
-        verify_checksums: Also compare each file's CRC-32 (reads every file once).
+        verify_checksums: Also compare each file's CRC-32.
+        group: The ranks loading together (the whole job when None; local without
+            ``torch.distributed``).
 
     Returns:
         The parsed index.
 
     Raises:
-        CheckpointError: The index or a file is missing, or a size/checksum differs.
+        CheckpointError: The index or a file is missing, or a size/checksum differs (on
+            every rank of the group, whichever rank found it).
     """
+    rank, world = _rank_world(group)
+    index: dict[str, Any] | None = None
+    errors: list[str] = []
+    try:
+        index, files = _load_index(directory, index_name)
+        for name in files:
+            _check_size(os.path.join(directory, name), files[name])
+        if verify_checksums:
+            for i, name in enumerate(sorted(files)):
+                if i % world == rank:
+                    _check_crc(os.path.join(directory, name), files[name])
+    except CheckpointError as err:
+        errors.append(str(err))
+    except OSError as err:  # every rank must still join the verdict below
+        errors.append(f"cannot read the checkpoint {directory!r}: {err}")
+    if world > 1:
+        from colossal.core.comm import all_gather_object
+
+        verdicts = all_gather_object(errors, group)
+        errors = [
+            e if r == rank else f"{e} (found by rank {r})"
+            for r, found in enumerate(verdicts)
+            for e in found
+        ]
+    if errors:
+        # Every rank reports the same first error, so the message names the bad file.
+        raise CheckpointError(errors[0] + (f" [{len(errors) - 1} more]" if len(errors) > 1 else ""))
+    assert index is not None
+    return index
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _load_index(directory: str, index_name: str) -> tuple[dict[str, Any], Mapping[str, Any]]:
     path = os.path.join(directory, index_name)
     if not os.path.isfile(path):
         raise CheckpointError(
@@ -158,12 +215,10 @@ def read_index(directory: str, index_name: str, verify_checksums: bool = True) -
     missing = sorted(set(weight_map.values()) - set(files))
     if missing:
         raise CheckpointError(f"{path} maps tensors to files it does not describe: {missing}")
-    for name, info in files.items():
-        _check_file(os.path.join(directory, name), info, verify_checksums)
-    return index
+    return index, files
 
 
-def _check_file(path: str, info: Mapping[str, Any], verify_checksums: bool) -> None:
+def _check_size(path: str, info: Mapping[str, Any]) -> None:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
     size = os.path.getsize(path)
@@ -172,10 +227,14 @@ def _check_file(path: str, info: Mapping[str, Any], verify_checksums: bool) -> N
             f"checkpoint file {path} has {size} bytes, the index records {info.get('size')}: "
             "the file is truncated or corrupt"
         )
-    if verify_checksums and "crc32" in info:
-        crc = file_crc32(path)
-        if crc != info["crc32"]:
-            raise CheckpointError(
-                f"checkpoint file {path} has CRC-32 {crc}, the index records {info['crc32']}: "
-                "the file is corrupt"
-            )
+
+
+def _check_crc(path: str, info: Mapping[str, Any]) -> None:
+    if "crc32" not in info:
+        return
+    crc = file_crc32(path)
+    if crc != info["crc32"]:
+        raise CheckpointError(
+            f"checkpoint file {path} has CRC-32 {crc}, the index records {info['crc32']}: "
+            "the file is corrupt"
+        )

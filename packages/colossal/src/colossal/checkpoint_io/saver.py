@@ -84,6 +84,7 @@ class ShardedSaver:
         use_async: bool = False,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         background: Collection[str] = (),
+        extra_files: Mapping[str, str] | None = None,
     ) -> None:
         """Save ``tensors`` (the same names on every rank) as a sharded directory ``path``.
 
@@ -92,7 +93,9 @@ class ShardedSaver:
         the same order, and only the rank that writes a tensor's file keeps the result.
         With ``use_async``, the tensors named in ``background`` are snapshotted on a
         background thread after this returns: the caller must call :meth:`wait_snapshots`
-        before modifying them. The others are copied before this returns.
+        before modifying them. The others are copied before this returns. Rank 0 also
+        writes ``extra_files`` (file name -> text, e.g. a Hugging Face ``config.json``) into
+        the directory, committed together with the tensors.
         """
         gather = gather or _identity
         self._wait_for_path(path)  # an earlier save to the same path must be committed first
@@ -144,7 +147,11 @@ class ShardedSaver:
             "weight_map": weight_map,
             **(dict(extra) if extra else {}),
         }
-        job = _Finalize(path, staging, index_name, index, handles, rank, world)
+        clash = sorted(set(extra_files or ()) & {*files, index_name})
+        if clash:
+            raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
+        texts = dict(extra_files) if rank == 0 and extra_files else {}
+        job = _Finalize(path, staging, index_name, index, handles, rank, world, texts)
         if use_async:
             future = self._executor.submit(job)
             self._pending.append(future)
@@ -232,9 +239,11 @@ class _Finalize:
         handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]],
         rank: int,
         world: int,
+        texts: Mapping[str, str] | None = None,
     ) -> None:
         self.path, self.staging, self.index_name = path, staging, index_name
         self.index, self.handles, self.rank, self.world = index, handles, rank, world
+        self.texts = dict(texts or {})
 
     def __call__(self) -> None:
         meta = {}
@@ -249,11 +258,20 @@ class _Finalize:
         for r in range(self.world):
             files.update(_wait_for_json(os.path.join(self.staging, f"rank{r}.meta.json")))
         self.index["metadata"]["files"] = dict(sorted(files.items()))
+        for name, text in self.texts.items():
+            _write_text(os.path.join(self.staging, name), text)
         write_json_atomic(os.path.join(self.staging, self.index_name), self.index)
         for r in range(self.world):
             os.remove(os.path.join(self.staging, f"rank{r}.meta.json"))
         commit_directory(self.path)
         logger.info("checkpoint saved to %s", self.path)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _wait_for_json(path: str, timeout: float = META_WAIT_SECONDS) -> dict[str, Any]:

@@ -1,0 +1,274 @@
+"""Checkpoint integrity: checksums shared over ranks, crash-safe swap, kill mid-write."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from booster_testlib import make_booster, make_model
+from torch import nn
+
+import colossal.checkpoint_io.commit as commit_mod
+import colossal.checkpoint_io.index as index_mod
+from colossal.booster import Booster
+from colossal.checkpoint_io import MODEL_INDEX, CheckpointError
+from colossal.core.testing import spawn
+
+# ---- checksums: each file verified by one rank, verdict agreed -------------------------------
+
+
+def _load_at_world_2(rank: int, world_size: int, path: str, corrupt: bool) -> tuple:
+    import torch.distributed as dist
+
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(make_model())
+    booster.save_model(model, path, shard=True, size_per_shard=0.0005)
+    files = sorted(json.load(open(os.path.join(path, MODEL_INDEX)))["metadata"]["files"])
+    victim = files[1]  # file 1 is verified by rank 1 only
+    if corrupt and rank == 0:
+        with open(os.path.join(path, victim), "r+b") as file:
+            file.seek(-1, os.SEEK_END)
+            last = file.read(1)
+            file.seek(-1, os.SEEK_END)
+            file.write(bytes([last[0] ^ 0xFF]))
+    dist.barrier()
+    read: list[str] = []
+    original = index_mod.file_crc32
+
+    def spy(file: str, *args: object) -> str:
+        read.append(os.path.basename(file))
+        return original(file, *args)
+
+    index_mod.file_crc32 = spy
+    fresh, *_ = make_booster("ddp").boost(make_model(seed=7))
+    try:
+        booster.load_model(fresh, path)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    finally:
+        index_mod.file_crc32 = original
+    values = {k: v.clone() for k, v in fresh.unwrap().state_dict().items()}
+    return files, victim, read, error, values
+
+
+def test_checksums_are_split_over_ranks_and_agreed(tmp_path) -> None:
+    reference = make_model().state_dict()
+    results = spawn(_load_at_world_2, 2, args=(str(tmp_path / "good"), False))
+    files = results[0][0]
+    assert len(files) >= 3
+    reads = [r[2] for r in results]
+    assert reads[0] == files[0::2] and reads[1] == files[1::2]  # each file read once, by i % 2
+    for _, _, _, error, values in results:
+        assert error is None
+        for k, v in reference.items():
+            torch.testing.assert_close(values[k], v)
+
+    results = spawn(_load_at_world_2, 2, args=(str(tmp_path / "bad"), True))
+    victim = results[0][1]
+    assert victim not in results[0][2] and victim in results[1][2]  # only rank 1 read it
+    for rank, (_, _, _, error, _) in enumerate(results):
+        assert error is not None, f"rank {rank} loaded a corrupt checkpoint"
+        assert victim in error and "CRC-32" in error, error
+    assert "found by rank 1" in results[0][3]
+
+
+def test_single_process_verifies_every_file(tmp_path, monkeypatch) -> None:
+    booster = Booster()
+    model, *_ = booster.boost(make_model())
+    path = str(tmp_path / "ckpt")
+    booster.save_model(model, path, shard=True, size_per_shard=0.0005)
+    read: list[str] = []
+    original = index_mod.file_crc32
+    monkeypatch.setattr(
+        index_mod, "file_crc32", lambda f, *a: read.append(os.path.basename(f)) or original(f, *a)
+    )
+    booster.load_model(make_model(seed=3), path)
+    files = sorted(json.load(open(os.path.join(path, MODEL_INDEX)))["metadata"]["files"])
+    assert read == files
+
+
+# ---- the directory swap: a complete checkpoint is loadable at every instant -------------------
+
+
+def _linear(value: float) -> nn.Module:
+    model = nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(value)
+    return model
+
+
+def _save(path: str, value: float) -> None:
+    booster = Booster()
+    model, *_ = booster.boost(_linear(value))
+    booster.save_model(model, path)
+
+
+def _loaded_value(path: str) -> float:
+    fresh = _linear(-1.0)
+    Booster().load_model(fresh, path)
+    values = torch.cat([fresh.weight.flatten(), fresh.bias]).detach()
+    assert torch.all(values == values[0]), "a mix of two checkpoints was loaded"
+    return float(values[0].detach())
+
+
+class _CrashError(Exception):
+    pass
+
+
+def _setup(root: str, state: str) -> str:
+    """A checkpoint (value 1) at ``path`` in ``state``, and a finished staging dir (value 2)."""
+    if os.path.exists(root):
+        shutil.rmtree(root)
+    path = os.path.join(root, "ckpt")
+    _save(path, 1.0)
+    if state == "old-only":  # an earlier swap crashed between its two renames
+        os.replace(path, path + ".colossal-old")
+    elif state == "main-and-old":  # an earlier swap crashed before deleting the old one
+        _save(os.path.join(root, "older"), 0.5)
+        os.replace(os.path.join(root, "older"), path + ".colossal-old")
+    elif state == "main-and-trash":
+        _save(os.path.join(root, "trash"), 0.5)
+        os.replace(os.path.join(root, "trash"), path + ".colossal-trash")
+    _save(os.path.join(root, "new"), 2.0)
+    os.replace(os.path.join(root, "new"), path + ".colossal-tmp")
+    return path
+
+
+@pytest.mark.parametrize("state", ["main", "old-only", "main-and-old", "main-and-trash"])
+def test_swap_is_crash_safe_at_every_step(tmp_path, monkeypatch, state) -> None:
+    rename, remove = commit_mod._rename, commit_mod._remove
+    outcomes = []
+    for crash_at in range(20):
+        path = _setup(str(tmp_path / "root"), state)
+        count = [0]
+
+        def step(fn, *args, crash_at=crash_at, count=count):
+            if count[0] == crash_at:
+                raise _CrashError
+            count[0] += 1
+            return fn(*args)
+
+        monkeypatch.setattr(commit_mod, "_rename", lambda *a: step(rename, *a))
+        monkeypatch.setattr(commit_mod, "_remove", lambda *a: step(remove, *a))
+        try:
+            commit_mod.commit_directory(path)
+            crashed = False
+        except _CrashError:
+            crashed = True
+        monkeypatch.setattr(commit_mod, "_rename", rename)
+        monkeypatch.setattr(commit_mod, "_remove", remove)
+        value = _loaded_value(path)  # the old or the new checkpoint, never nothing
+        assert value in (1.0, 2.0), (state, crash_at, value)
+        outcomes.append(value)
+        _save(path, 3.0)  # the next save recovers from whatever was left
+        assert _loaded_value(path) == 3.0
+        leftovers = [n for n in os.listdir(tmp_path / "root") if n.startswith("ckpt.")]
+        assert leftovers == [], leftovers
+        if not crashed:
+            break
+    else:
+        pytest.fail("commit_directory never finished")
+    assert outcomes[0] == 1.0 and outcomes[-1] == 2.0 and len(outcomes) > 2
+
+
+def test_leftover_old_without_main_loads_old(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    _save(path, 1.0)
+    os.replace(path, path + ".colossal-old")
+    assert _loaded_value(path) == 1.0
+    _save(path, 2.0)
+    assert _loaded_value(path) == 2.0
+    assert not os.path.exists(path + ".colossal-old")
+
+
+def test_leftover_staging_is_ignored(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+
+    def leave_staging() -> None:  # a complete save of other values that was never committed
+        _save(str(tmp_path / "other"), 5.0)
+        os.replace(tmp_path / "other", path + ".colossal-tmp")
+
+    leave_staging()
+    with pytest.raises(FileNotFoundError, match="interrupted"):
+        _loaded_value(path)
+    _save(path, 1.0)
+    leave_staging()
+    assert _loaded_value(path) == 1.0
+    _save(path, 2.0)  # replaces the leftover staging directory
+    assert _loaded_value(path) == 2.0
+
+
+# ---- kill the writer mid-write ----------------------------------------------------------------
+
+_KILL_MID_WRITE = textwrap.dedent(
+    """
+    import os, sys, torch
+    import colossal.core.io._atomic_file as atomic_file
+    from colossal.booster import Booster
+
+    path, mode = sys.argv[1], sys.argv[2]
+
+    async def write_half_then_die(file, data):
+        if len(data) < 64 * 1024:  # headers and small tensors: written normally
+            while data:
+                data = data[await file.write(data):]
+            return
+        part = data[: len(data) // 2 // 4096 * 4096]
+        while part:
+            part = part[await file.write(part):]
+        await file.flush()
+        os._exit(17)  # the process dies in the middle of writing this file
+
+    atomic_file._write_chunk = write_half_then_die
+    booster = Booster()
+    model, *_ = booster.boost(torch.nn.Linear(1024, 1024))
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+        model.bias.fill_(7.0)
+    booster.save_model(model, path, shard=True, size_per_shard=1, use_async=mode == "async")
+    booster.wait_async_saves()
+    os._exit(0)  # reached only if no large chunk was written
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_mid_write_keeps_old_checkpoint(tmp_path, mode) -> None:
+    torch.manual_seed(0)
+    old = nn.Linear(1024, 1024)
+    booster = Booster()
+    boosted, *_ = booster.boost(old)
+    path = str(tmp_path / "ckpt")
+    booster.save_model(boosted, path, shard=True, size_per_shard=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _KILL_MID_WRITE, path, mode], env=env, check=False, timeout=300
+    )
+    assert done.returncode == 17, "the writer was not killed mid-write"
+    staging = path + ".colossal-tmp"
+    partial = {
+        name: os.path.getsize(os.path.join(staging, name))
+        for name in os.listdir(staging)
+        if name.endswith(".tmp") and ".model-" in name
+    }
+    full = 1024 * 1024 * 4
+    assert any(0 < size < full for size in partial.values()), partial  # killed mid-file
+    fresh = nn.Linear(1024, 1024)
+    booster.load_model(fresh, path)
+    torch.testing.assert_close(fresh.weight, old.weight, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.bias, old.bias, rtol=0, atol=0)
+    assert not torch.any(fresh.weight == 7.0)
+    with torch.no_grad():
+        old.weight.fill_(3.0)  # the next save succeeds despite the leftovers
+    booster.save_model(boosted, path, shard=True, size_per_shard=1)
+    booster.load_model(fresh, path)
+    assert torch.all(fresh.weight == 3.0)
+    assert not os.path.exists(staging)

@@ -20,15 +20,17 @@ def _grads(step, dtype, scale, device="cpu"):
 
 
 def _run_against_torch(opt_cls, impl_kernel, impl, grad_dtype, device="cpu", steps=10,
-                       with_copy=False):
+                       with_copy=False, adamw_mode=True, copy_dtype=torch.bfloat16):
     scale = 32.0
     ours, ref = _params(device), _params(device)
-    opt = opt_cls(ours, lr=1e-2, weight_decay=0.1)
+    opt = opt_cls(ours, lr=1e-2, weight_decay=0.1, adamw_mode=adamw_mode)
     copies = None
     if with_copy:
-        copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in ours]
+        copies = [torch.empty_like(p, dtype=copy_dtype) for p in ours]
         opt.attach_working_params(dict(zip(ours, copies, strict=False)))
-    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    # adamw_mode=False is Adam with L2 regularisation: torch.optim.Adam's weight_decay
+    torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    torch_opt = torch_cls(ref, lr=1e-2, weight_decay=0.1)
     with REGISTRY.force(impl_kernel, impl):
         for step in range(steps):
             grads = _grads(step, grad_dtype, scale, device)
@@ -40,7 +42,8 @@ def _run_against_torch(opt_cls, impl_kernel, impl, grad_dtype, device="cpu", ste
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     if copies is not None:
         for p, c in zip(ours, copies, strict=False):
-            assert torch.equal(c, p.detach().bfloat16())
+            assert c.dtype == copy_dtype
+            assert torch.equal(c, p.detach().to(copy_dtype))
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -49,11 +52,21 @@ def test_fused_adam_torch_impl(grad_dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_fused_adam_triton_kernel(grad_dtype):
+@pytest.mark.parametrize("copy_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_adam_triton_kernel(grad_dtype, adamw_mode, copy_dtype):
+    """The Triton kernel (interpreted on CPU) against torch.optim.AdamW / Adam (L2), 10 steps
+    with weight decay and a loss-scale divisor, writing an fp16 or bf16 working copy."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    _run_against_torch(FusedAdam, "fused_adam", "triton", grad_dtype, device=device, steps=3,
-                       with_copy=True)
+    _run_against_torch(FusedAdam, "fused_adam", "triton", grad_dtype, device=device, steps=10,
+                       with_copy=True, adamw_mode=adamw_mode, copy_dtype=copy_dtype)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_fused_adam_torch_impl_l2_and_fp16_copy(adamw_mode):
+    _run_against_torch(FusedAdam, "fused_adam", "torch", torch.float16, with_copy=True,
+                       adamw_mode=adamw_mode, copy_dtype=torch.float16)
 
 
 def test_fused_adam_rejects_amsgrad():

@@ -124,3 +124,101 @@ def test_module_construction_and_errors():
         FusedLayerNorm.from_native_module(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="compatible RMSNorm"):
         FusedRMSNorm.from_native_module(nn.Linear(2, 2))
+
+
+# ---- real Hugging Face models ------------------------------------------------------------
+def _hf_model(kind, dtype):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=32,
+                                       rms_norm_eps=1e-5, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # norms start at ones/zeros: make weights (and biases) non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.5, 0.5)
+    return model.to(dtype).eval()
+
+
+def _norm_params(model):
+    return {n: p for n, p in model.named_parameters() if "norm" in n or ".ln_" in n}
+
+
+def _hf_forward_backward(model, embeds, dy):
+    embeds = embeds.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    logits = model(inputs_embeds=embeds).logits
+    logits.backward(dy)
+    grads = {n: p.grad.clone() for n, p in _norm_params(model).items()}
+    return logits.detach(), embeds.grad, grads
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replace_norms_in_hf_model_forward_and_backward(kind, dtype):
+    import copy
+
+    ref = _hf_model(kind, dtype)
+    ours = copy.deepcopy(ref)
+    assert replace_norms(ours) == 5  # 2 per layer + the final norm
+    fused = FusedRMSNorm if kind == "llama" else FusedLayerNorm
+    assert sum(isinstance(m, fused) for m in ours.modules()) == 5
+    g = torch.Generator().manual_seed(1)
+    embeds = torch.randn(2, 7, 32, generator=g).to(dtype)
+    dy = torch.randn(2, 7, 64, generator=g).to(dtype)
+    want = _hf_forward_backward(ref, embeds, dy)
+    got = _hf_forward_backward(ours, embeds, dy)
+    assert got[0].dtype == want[0].dtype == dtype
+    assert got[2].keys() == want[2].keys() and len(got[2]) >= 5
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], want[0], **tol)
+        torch.testing.assert_close(got[1], want[1], **tol)
+        for name in want[2]:
+            torch.testing.assert_close(got[2][name], want[2][name], **tol, msg=name)
+    else:  # bf16: rounding differs (HF rounds the normalized value before the weight)
+        _close(got[0], want[0], dtype)
+        _close(got[1], want[1], dtype)
+        for name in want[2]:
+            _close(got[2][name], want[2][name], dtype)
+
+
+@pytest.mark.parametrize("impl", RMS_IMPLS)
+def test_rms_norm_output_dtype_matches_hf_llama(impl):
+    """HF's LlamaRMSNorm returns ``weight * hidden.to(input_dtype)``: an fp32 weight on a bf16
+    input gives fp32; the replacement must do the same (values and grads too)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.uniform_(0.5, 1.5)
+    fused = FusedRMSNorm.from_native_module(hf)
+    assert fused.weight is hf.weight and fused.hf_output_dtype
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x, _, _, _ = _inputs(x_dtype)
+        want = hf(x)
+        with REGISTRY.force("rms_norm", impl):
+            got = fused(x)
+        assert got.dtype == want.dtype == torch.float32
+        # a bf16 input's normalized value is rounded to bf16 by both: one bf16 ulp may differ
+        rtol = 1e-5 if x_dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-5)
+        dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+        for a, b in zip(_grads(got, dy, x, hf.weight), _grads(want, dy, x, hf.weight),
+                        strict=True):
+            assert a.dtype == b.dtype
+            if x_dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            else:  # the bf16 grad of x is rounded to bf16
+                _close(a, b, x_dtype)
+    # torch.nn.RMSNorm keeps the input dtype; so does its replacement
+    native = nn.RMSNorm(48, eps=1e-6)
+    x = _inputs(torch.bfloat16)[0]
+    assert FusedRMSNorm.from_native_module(native)(x).dtype == native(x).dtype == torch.bfloat16

@@ -169,3 +169,20 @@ def test_thread_choice_keeps_results_identical(tmp_path, monkeypatch, cost):
     for a, b in zip(plain, off, strict=False):
         assert torch.equal(a, b)
     assert os.listdir(tmp_path) == []
+
+
+def test_io_goes_through_core_tensor_file_io_and_errors_propagate(tmp_path):
+    from colossal.core.io import TensorFileIO
+
+    params = _params()
+    opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    assert isinstance(opt._store._io, TensorFileIO)
+    opt.step(grads=dict(zip(params, _grads(0), strict=False)))
+    files = _files(opt)
+    assert files
+    with open(os.path.join(opt._store.directory, files[0]), "r+b") as fh:
+        fh.truncate(12)  # a state file lost its tail
+    with pytest.raises(ValueError, match="truncated"):
+        opt.step(grads=dict(zip(params, _grads(1), strict=False)))
+    assert os.listdir(tmp_path) == []  # removed after the error
+    assert opt._store._io.closed

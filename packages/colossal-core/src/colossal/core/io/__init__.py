@@ -23,6 +23,11 @@ from colossal.core.io.reader import (
     read_tensor_slice,
 )
 from colossal.core.io.safetensors_format import SafetensorsHeader, TensorInfo
+from colossal.core.io.tensor_file import (
+    TensorFileIO,
+    read_tensor_file_async,
+    write_tensor_file_async,
+)
 from colossal.core.io.writer import AsyncTensorWriter, save_safetensors, save_safetensors_async
 
 __all__ = [
@@ -31,12 +36,15 @@ __all__ = [
     "AsyncTensorWriter",
     "ReadHandle",
     "SafetensorsHeader",
+    "TensorFileIO",
     "TensorInfo",
     "WriteHandle",
     "load_safetensors",
     "load_safetensors_async",
     "read_safetensors_header",
+    "read_tensor_file_async",
     "read_tensor_slice",
     "save_safetensors",
     "save_safetensors_async",
+    "write_tensor_file_async",
 ]

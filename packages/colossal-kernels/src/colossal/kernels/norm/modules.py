@@ -79,21 +79,29 @@ class FusedRMSNorm(nn.Module):
 
     Replaces ``torch.nn.RMSNorm`` and Hugging Face ``LlamaRMSNorm``-style modules.
 
+    Output dtype: the input's (as ``torch.nn.RMSNorm``), or with ``hf_output_dtype`` as in
+    Hugging Face's ``weight * normalized.to(input_dtype)``: the promotion of the weight's and
+    the input's dtypes (e.g. fp32 for a bf16 input and an fp32 weight). Both agree when the
+    weight has the input's dtype.
+
     Args:
         normalized_shape: Trailing dimensions to normalize (the hidden size).
         eps: Added to the mean square.
         elementwise_affine: Learn a weight.
         device: Parameter device.
         dtype: Parameter dtype.
+        hf_output_dtype: Follow Hugging Face's output dtype rule (set by
+            :meth:`from_native_module` for Hugging Face modules).
     """
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-6,
                  elementwise_affine: bool = True, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, hf_output_dtype: bool = False) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.hf_output_dtype = hf_output_dtype
         self.weight = (nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
                        if elementwise_affine else None)
 
@@ -109,7 +117,8 @@ class FusedRMSNorm(nn.Module):
         """
         name = type(module).__name__
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.RMSNorm):
+        hf = not isinstance(module, nn.RMSNorm)
+        if not hf:
             shape = tuple(module.normalized_shape)
             eps = module.eps
             if eps is None:
@@ -129,17 +138,23 @@ class FusedRMSNorm(nn.Module):
         new.normalized_shape = shape
         new.eps = float(eps)
         new.elementwise_affine = weight is not None
+        new.hf_output_dtype = hf
         new.weight = weight
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the trailing ``normalized_shape`` dimensions of ``x``."""
-        return fused_rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        w = self.weight
+        if self.hf_output_dtype and w is not None and w.dtype != x.dtype:
+            # Hugging Face: weight * normalized.to(input_dtype), in the promoted dtype
+            return w * fused_rms_norm(x, self.normalized_shape, None, self.eps)
+        return fused_rms_norm(x, self.normalized_shape, w, self.eps)
 
     def extra_repr(self) -> str:
         """Shape, eps and affine flag for ``repr``."""
         return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
+                f"elementwise_affine={self.elementwise_affine}, "
+                f"hf_output_dtype={self.hf_output_dtype}")
 
 
 def replace_norms(model: nn.Module) -> int:

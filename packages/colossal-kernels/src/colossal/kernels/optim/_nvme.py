@@ -1,11 +1,13 @@
-"""Optimizer state kept in files, read ahead and written back by a background thread.
+"""Optimizer state kept in files, read ahead and written back in the background.
 
 Each offloaded parameter has one file holding its ``exp_avg`` and ``exp_avg_sq`` back to back
 (fp32). During a step, :class:`StatePipeline` reads the states of the next few offloaded
 params into a small ring of reusable buffers while the current one updates, and writes each
-updated state back as soon as its update is done. One IO thread executes reads and writes in
-submission order, so a buffer is never refilled before its previous contents are written out
-and a file is never read before its last write finished.
+updated state back as soon as its update is done. The file IO goes through core's aiofiles
+tensor IO (:class:`colossal.core.io.TensorFileIO`), which runs operations in submission
+order on one IO thread, so a buffer is never refilled before its previous contents are
+written out and a file is never read before its last write finished. Files stay open
+between steps and are read into / written from the buffers' memory without copies.
 
 The files live in a fresh temporary directory that is removed by :meth:`NVMeStateStore.close`,
 when the store is garbage-collected, and at interpreter exit.
@@ -14,60 +16,25 @@ when the store is garbage-collected, and at interpreter exit.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
+import functools
 import os
 import shutil
 import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from colossal.core.io import TensorFileIO
 from colossal.core.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-def _view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy, no numpy)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _read_file(path: str, out: torch.Tensor) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        out.zero_()
-        return
-    view = _view(out)
-    try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], done)
-            if not got:
-                raise OSError(f"{path} is truncated: read {done} of {len(view)} bytes")
-            done += got
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, src: torch.Tensor) -> None:
-    # Overwrite in place (no O_TRUNC): rewriting cached pages is much cheaper than freeing
-    # and reallocating them every step. The size never changes for a given key.
-    view = _view(src)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        done = 0
-        while done < len(view):
-            done += os.pwritev(fd, [view[done:]], done)
-    finally:
-        os.close(fd)
-
-
-def _cleanup(directory: str, executor: concurrent.futures.ThreadPoolExecutor) -> None:
-    executor.shutdown(wait=True, cancel_futures=True)
+def _cleanup(directory: str, io: TensorFileIO) -> None:
+    io.close(wait=True)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -92,16 +59,21 @@ class NVMeStateStore:
                 )
             os.makedirs(directory, exist_ok=True)
         self.directory = tempfile.mkdtemp(prefix="colossal-nvme-", dir=directory)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="colossal-nvme"
-        )
-        self._pending: list[concurrent.futures.Future[None]] = []
+        self._io = TensorFileIO(keep_open=True, name="colossal-nvme")
+        self._pending: list[concurrent.futures.Future[Any]] = []
         self._buffers: list[torch.Tensor] = []
         self._closed = False
-        # CPU seconds the IO thread spent in reads and writes: buffered IO is CPU work (the
-        # kernel copies to and from the page cache); a read waiting for the device is not.
-        self.io_cpu_seconds = 0.0
-        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._executor)
+        self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._io)
+
+    @property
+    def io_cpu_seconds(self) -> float:
+        """CPU seconds the IO thread spent in file calls (open, seek, read, write) so far.
+
+        Buffered IO is CPU work (the kernel copies to and from the page cache); a read
+        waiting for the device is not. Measured per call on the IO thread by
+        :attr:`colossal.core.io.TensorFileIO.cpu_seconds`.
+        """
+        return self._io.cpu_seconds
 
     @property
     def closed(self) -> bool:
@@ -112,28 +84,23 @@ class NVMeStateStore:
         """File holding the states with key ``key``."""
         return os.path.join(self.directory, f"state-{key}.bin")
 
-    def _submit(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future[None]:
+    def _track(self, submit: Callable[..., concurrent.futures.Future[Any]], *args: Any
+               ) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise RuntimeError("the NVMe state store is closed; its files were removed")
-        future = self._executor.submit(self._timed, fn, *args)
+        future = submit(*args)
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
         self._pending.append(future)
         return future
 
-    def _timed(self, fn: Callable[..., None], *args: object) -> None:
-        start = time.thread_time()
-        try:
-            fn(*args)
-        finally:  # only the one IO thread adds to it
-            self.io_cpu_seconds += time.thread_time() - start
-
-    def read_async(self, key: int, out: torch.Tensor) -> concurrent.futures.Future[None]:
+    def read_async(self, key: int, out: torch.Tensor) -> concurrent.futures.Future[Any]:
         """Fill ``out`` from the file of ``key`` (zeros if never written) in the background."""
-        return self._submit(_read_file, self.path(key), out)
+        return self._track(functools.partial(self._io.read_into, missing_ok=True),
+                           self.path(key), out)
 
-    def write_async(self, key: int, src: torch.Tensor) -> concurrent.futures.Future[None]:
-        """Write ``src`` to the file of ``key`` in the background."""
-        return self._submit(_write_file, self.path(key), src)
+    def write_async(self, key: int, src: torch.Tensor) -> concurrent.futures.Future[Any]:
+        """Write ``src`` to the file of ``key`` (in place, no truncation) in the background."""
+        return self._track(self._io.write_from, self.path(key), src)
 
     def read(self, key: int, numel: int) -> torch.Tensor:
         """A new fp32 tensor of ``numel`` elements with the contents of ``key``'s file."""
@@ -197,7 +164,7 @@ class StatePipeline:
         self.depth = max(1, min(depth, len(self.items)))
         largest = max((n for _, n in self.items), default=0)
         self._slots = store.buffers(2 * largest, self.depth) if self.items else []
-        self._reads: dict[int, concurrent.futures.Future[None]] = {}
+        self._reads: dict[int, concurrent.futures.Future[Any]] = {}
         self.waited = 0.0  # seconds the iteration blocked on reads
         for i in range(self.depth):
             self._queue_read(i)

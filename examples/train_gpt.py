@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -143,6 +144,34 @@ def evaluate(model, data, args, rank: int, world: int) -> float:
     return mean_over_ranks(sum(losses) / len(losses))
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves the old file or the new one, whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_latest(ckpt: str) -> str | None:
+    """Name of the newest complete checkpoint directory under ``ckpt`` (None if none)."""
+    try:
+        with open(os.path.join(ckpt, "latest"), encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def latest_checkpoint(ckpt: str) -> str:
+    """Directory of the newest complete checkpoint, or a clear error for ``--resume``."""
+    name = read_latest(ckpt)
+    if name is None:
+        raise SystemExit(f"--resume: no complete checkpoint under {ckpt} (no 'latest' file); "
+                         "train with --save-interval N first, or drop --resume")
+    return os.path.join(ckpt, name)
+
+
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     launch_from_torch()
@@ -193,27 +222,36 @@ def main(argv: list[str] | None = None) -> float:
     ckpt = os.path.join(args.out, "checkpoint")
     start, history = 0, {"iter": [], "train": [], "val_iter": [], "val": []}
     if args.resume:
-        booster.load_model(model, os.path.join(ckpt, "model"))
-        booster.load_optimizer(optimizer, os.path.join(ckpt, "optimizer"))
-        booster.load_lr_scheduler(scheduler, os.path.join(ckpt, "lr_scheduler.json"))
-        with open(os.path.join(ckpt, "model", "train_state.json"), encoding="utf-8") as fh:
+        where = latest_checkpoint(ckpt)
+        booster.load_model(model, os.path.join(where, "model"))
+        booster.load_optimizer(optimizer, os.path.join(where, "optimizer"))
+        booster.load_lr_scheduler(scheduler, os.path.join(where, "lr_scheduler.json"))
+        with open(os.path.join(where, "train_state.json"), encoding="utf-8") as fh:
             saved = json.load(fh)
         start, history = saved["iter"], saved["history"]
         if rank == 0:
-            print(f"resumed from {ckpt} at iteration {start}")
+            print(f"resumed from {where} at iteration {start}")
 
     def save(it: int) -> None:
+        # Each checkpoint goes to a directory of its own; the "latest" pointer moves to it
+        # only once all of it is on disk, so a crash at any moment leaves a whole checkpoint.
+        where = os.path.join(ckpt, f"iter-{it:07d}")
         booster.save_model(
-            model, os.path.join(ckpt, "model"), shard=True, use_async=args.async_save
+            model, os.path.join(where, "model"), shard=True, use_async=args.async_save
         )
         booster.save_optimizer(
-            optimizer, os.path.join(ckpt, "optimizer"), shard=True, use_async=args.async_save
+            optimizer, os.path.join(where, "optimizer"), shard=True, use_async=args.async_save
         )
-        booster.save_lr_scheduler(scheduler, os.path.join(ckpt, "lr_scheduler.json"))
-        booster.wait_async_saves()  # the train state below refers to a committed checkpoint
+        booster.save_lr_scheduler(scheduler, os.path.join(where, "lr_scheduler.json"))
+        booster.wait_async_saves()  # the pointer below must refer to a committed checkpoint
+        dist.barrier()
         if rank == 0:
-            with open(os.path.join(ckpt, "model", "train_state.json"), "w", encoding="utf-8") as fh:
-                json.dump({"iter": it, "history": history}, fh)
+            write_atomic(os.path.join(where, "train_state.json"),
+                         json.dumps({"iter": it, "history": history}))
+            previous = read_latest(ckpt)
+            write_atomic(os.path.join(ckpt, "latest"), os.path.basename(where))
+            if previous is not None and previous != os.path.basename(where):
+                shutil.rmtree(os.path.join(ckpt, previous), ignore_errors=True)
         dist.barrier()
 
     per_rank = args.batch_size // world

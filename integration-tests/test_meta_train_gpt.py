@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -41,8 +42,23 @@ def test_train_gpt_resume_across_plugins(tmp_path) -> None:
         "--stop-after", "20", "--async-save", *SHORT,
     )  # fmt: skip
     assert "stopping after iteration 20" in first
-    resumed = _final(
-        _torchrun("--plugin", "fsdp", "--out", str(tmp_path / "b"), "--resume", *SHORT)
-    )
+    ckpt = tmp_path / "b" / "checkpoint"
+    assert (ckpt / "latest").read_text() == "iter-0000020"
+    assert (ckpt / "iter-0000020" / "train_state.json").is_file()
+    resumed_out = _torchrun("--plugin", "fsdp", "--out", str(tmp_path / "b"), "--resume", *SHORT)
+    resumed = _final(resumed_out)
     assert resumed == pytest.approx(straight, abs=2e-3)
     assert straight < 3.5  # it learned (starts at ~4.2 = ln(vocab))
+    png = tmp_path / "b" / "loss.png"
+    if importlib.util.find_spec("matplotlib") is not None:  # the examples extra draws it
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path) -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--resume",
+           "--out", str(tmp_path), *SHORT]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode != 0
+    assert "no complete checkpoint" in done.stderr

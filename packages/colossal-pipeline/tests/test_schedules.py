@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import (
@@ -54,6 +56,10 @@ def test_matches_reference(rank: int, world_size: int, kind: str) -> None:
             torch.manual_seed(0)
             layers = nn.ModuleList(Block(8) for _ in range(2 * world_size * chunks + 1))
             batch = torch.randn(2 * world_size, 8)
+            with torch.no_grad():  # the unsplit model's outputs = microbatch outputs in order
+                ref_out = batch
+                for layer in copy.deepcopy(layers):
+                    ref_out = layer(ref_out)
             ref_loss, ref = reference(layers, batch, mse_to_flipped)
             sm = make_stage_manager(world_size, chunks, zbv=kind == "zbv")
             model = split_model(layers, sm)
@@ -77,5 +83,6 @@ def test_matches_reference(rank: int, world_size: int, kind: str) -> None:
             if holds_last:
                 assert_rel_close(out["loss"], ref_loss, RTOL, f"{what}: loss")
                 assert out["outputs"].shape == batch.shape
+                assert_rel_close(out["outputs"], ref_out, RTOL, f"{what}: outputs")
             else:
                 assert out["loss"] is None and out["outputs"] is None

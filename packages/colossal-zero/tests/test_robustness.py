@@ -76,19 +76,27 @@ def test_communication_volume_per_step(rank: int, world_size: int, stage: int) -
     padded = sum(b.size for b in opt.buckets)
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params <= padded < n_params + len(opt.buckets) * world_size
-    x, y = batch(0)
+    steps = 2
     with CommTracker() as tracker:
-        opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)))
-        opt.step()
+        for step in range(steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            opt.backward(loss_fn(model, local(x, rank, world_size), local(y, rank, world_size)))
+            opt.step()
     param_bytes = padded * 2  # bf16
-    assert tracker.bytes("all_gather") == param_bytes
-    assert tracker.calls("all_gather") == len(opt.buckets)
+    nb = len(opt.buckets)
+    # per step: exactly one all-gather of every bucket (one call each), and one reduction
+    assert tracker.bytes("all_gather") == steps * param_bytes
+    assert tracker.calls("all_gather") == steps * nb
     if stage == 2:
-        assert tracker.bytes("reduce_scatter") == param_bytes
-        assert tracker.bytes("all_reduce") == 4  # only the scalar gradient norm
+        assert tracker.bytes("reduce_scatter") == steps * param_bytes
+        assert tracker.calls("reduce_scatter") == steps * nb
+        assert tracker.bytes("all_reduce") == steps * 4  # only the scalar gradient norm
+        assert tracker.calls("all_reduce") == steps
     else:
         assert tracker.calls("reduce_scatter") == 0
-        assert tracker.bytes("all_reduce") == param_bytes + 4
+        assert tracker.bytes("all_reduce") == steps * (param_bytes + 4)
+        assert tracker.calls("all_reduce") == steps * (nb + 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from colossal.booster import Booster, MixedPrecision
+from colossal.checkpoint_io import CheckpointError
 from colossal.core.testing import distributed_test
 
 
@@ -64,6 +66,57 @@ def test_bad_input(rank: int, world_size: int) -> None:
         make_booster("ddp").boost(make_model(), other)
     with pytest.raises(NotImplementedError, match="no_sync"):
         make_booster("zero2").no_sync(None, None)
+    from colossal.booster.plugin import TorchFSDPPlugin
+
+    with pytest.raises(ValueError, match="does not support precision 'fp16'.*bf16"):
+        TorchFSDPPlugin(precision="fp16")
+
+
+class Wider(nn.Module):
+    """The test model's parameter names with other shapes: "another model"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 24)
+        self.body = nn.Sequential(nn.Tanh(), nn.Linear(24, 24), nn.Tanh())
+        self.head = nn.Linear(24, 3)
+        self.register_buffer("offset", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x))) + self.offset
+
+
+def _boosted(plugin: str, model: nn.Module) -> tuple:
+    booster = make_booster(plugin)
+    boosted, optimizer, *_ = booster.boost(model, make_optimizer(model))
+    return booster, boosted, optimizer
+
+
+@pytest.mark.parametrize("plugin", ["zero1", "fsdp"])
+@distributed_test(2)
+def test_other_models_checkpoint_refused(
+    rank: int, world_size: int, plugin: str, tmp_path: Path
+) -> None:
+    booster, model, optimizer = _boosted(plugin, make_model())
+    x, y = local_batch(0, rank, world_size)
+    booster.backward(nn.functional.mse_loss(model(x), y), optimizer)
+    optimizer.step()
+    booster.save_model(model, str(tmp_path / "model"))
+    booster.save_optimizer(optimizer, str(tmp_path / "optim"))
+    # Same parameter names, other shapes.
+    booster, model, optimizer = _boosted(plugin, Wider())
+    with pytest.raises(CheckpointError, match="another model"):
+        booster.load_model(model, str(tmp_path / "model"))
+    if plugin == "zero1":
+        with pytest.raises(CheckpointError, match="another model"):
+            booster.load_optimizer(optimizer, str(tmp_path / "optim"))
+    # Other parameter names.
+    other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    booster, model, optimizer = _boosted(plugin, other)
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        booster.load_model(model, str(tmp_path / "model"))
+    with pytest.raises(CheckpointError, match="another model"):
+        booster.load_optimizer(optimizer, str(tmp_path / "optim"))
 
 
 @distributed_test(2)

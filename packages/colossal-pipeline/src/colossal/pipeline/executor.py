@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,9 @@ class StageExecutor:
             slice use them).
         criterion: ``criterion(outputs, microbatch) -> scalar loss`` on the last slice.
         optimizer: Optional optimizer wrapper providing ``backward`` / ``backward_by_grad``.
+            If it also has ``no_sync()`` (data-parallel gradient reduction, e.g. ZeRO stage 1),
+            every backward but the stage's last weight-gradient one runs under it, so the
+            gradients are reduced once per step, after the last microbatch.
         return_outputs: Keep the last slice's outputs.
         record_timeline: Record the start and end of every compute action.
         recv_lookahead: Post each receive this many compute actions before the one that uses
@@ -91,6 +95,9 @@ class StageExecutor:
         self.layout = ir.layout
         self.last_slice = ir.layout.num_slices - 1
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in self.chunks]
+        self._no_sync = _local_accumulation(optimizer)
+        self._compute = -1  # index of the running compute action
+        self._sync_compute = -1  # the last compute action that accumulates weight gradients
         self.inputs: dict[Key, Any] = {}
         self.saved: dict[Key, tuple[list[torch.Tensor], Any]] = {}
         self.out_grads: dict[Key, Any] = {}
@@ -108,6 +115,10 @@ class StageExecutor:
         computes = 0
         for a in ir.actions[self.stage]:
             if a.type.is_compute:
+                if a.type == ActionType.BACKWARD or (
+                    a.type == ActionType.BACKWARD_WEIGHT and self.params[a.chunk]
+                ):
+                    self._sync_compute = computes
                 computes += 1
             elif a.type in RECVS:
                 self._recvs.append((computes, a))
@@ -128,15 +139,15 @@ class StageExecutor:
     ) -> None:
         if not tensors:
             return
-        if grads is None:  # the loss
-            if self.optimizer is not None:
+        if self.optimizer is None:
+            torch.autograd.backward(tensors, grads, **kw)
+            return
+        local = self._no_sync is not None and self._compute != self._sync_compute
+        with self._no_sync() if local else contextlib.nullcontext():  # type: ignore[misc]
+            if grads is None:  # the loss
                 self.optimizer.backward(tensors[0], **kw)
             else:
-                torch.autograd.backward(tensors, **kw)
-        elif self.optimizer is not None:
-            self.optimizer.backward_by_grad(tensors, grads, **kw)
-        else:
-            torch.autograd.backward(tensors, grads, **kw)
+                self.optimizer.backward_by_grad(tensors, grads, **kw)
 
     def _wait_grads(self, key: Key) -> list[torch.Tensor] | None:
         """The gradients of a chunk's outputs (``None`` for the loss), waiting if in flight."""
@@ -317,6 +328,7 @@ class StageExecutor:
                     self._transfer(acts[i:j], k)  # the transfers before compute action k
                     if j < len(acts):
                         a = acts[j]
+                        self._compute = k
                         compute[a.type](a.microbatch, a.chunk)
                         k += 1
                     i = j + 1
@@ -329,6 +341,28 @@ class StageExecutor:
             merge_outputs([self.outputs[k] for k in sorted(self.outputs)]) if self.outputs else None
         )
         return loss, outputs
+
+
+def _local_accumulation(optimizer: Any) -> Callable[[], Any] | None:
+    """``optimizer.no_sync`` if it has one (checked to work), else ``None``.
+
+    Raises:
+        ValueError: the optimizer refuses to accumulate locally (e.g. ZeRO stage 2); raised
+            before the step communicates, so no stage is left waiting.
+    """
+    no_sync = getattr(optimizer, "no_sync", None) if optimizer is not None else None
+    if not callable(no_sync):
+        return None
+    try:
+        with no_sync():
+            pass
+    except RuntimeError as err:
+        raise ValueError(
+            "pipeline schedules accumulate the gradients of every microbatch locally and "
+            "reduce them once per step, through optimizer.no_sync(); "
+            f"{type(optimizer).__name__} refused it: {err}"
+        ) from err
+    return no_sync
 
 
 def _detached(obj: Any) -> tuple[list[torch.Tensor], Any]:

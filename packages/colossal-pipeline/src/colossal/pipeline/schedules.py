@@ -174,7 +174,11 @@ class PipelineSchedule(ABC):
             data_iter: Iterator yielding batches.
             criterion: ``criterion(outputs, microbatch) -> scalar tensor``.
             optimizer: Optional optimizer wrapper; its ``backward`` / ``backward_by_grad`` run
-                the backward (so loss scaling applies). Plain autograd otherwise.
+                the backward (so loss scaling applies; gradients sent between stages carry
+                the last stage's loss scale). Plain autograd otherwise. An optimizer with
+                ``no_sync()`` (e.g. ``LowLevelZeroOptimizer`` at stage 1) accumulates every
+                microbatch locally and reduces its gradients once, in the stage's last
+                weight-gradient backward.
             return_loss: Return the loss (on the rank holding the last slice).
             return_outputs: Return the last slice's outputs, concatenated over microbatches.
 
@@ -183,8 +187,9 @@ class PipelineSchedule(ABC):
             that do not hold the last slice.
 
         Raises:
-            ValueError: The batch does not split into the configured microbatches, or the
-                wrong number of model chunks.
+            ValueError: The batch does not split into the configured microbatches, the
+                wrong number of model chunks, or an optimizer whose ``no_sync()`` refuses
+                local accumulation (ZeRO stage 2).
         """
         chunks = self._chunks(model)
         if optimizer is not None and not (

@@ -76,6 +76,21 @@ class Bucket:
         n = self.shard_size(world_size)
         return self.start + rank * n, self.start + (rank + 1) * n
 
+    def slot_shard_range(self, slot: ParamSlot, rank: int, world_size: int) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of ``slot``'s flattened parameter that ``rank`` owns.
+
+        A parameter may straddle rank slices; ``start == stop`` when ``rank`` owns none of it.
+
+        Args:
+            slot: One of this bucket's parameters.
+            rank: Data-parallel rank.
+            world_size: Data-parallel size.
+        """
+        lo, hi = self.shard_range(rank, world_size)
+        start = min(max(lo, slot.offset), slot.end) - slot.offset
+        stop = max(min(hi, slot.end), slot.offset) - slot.offset
+        return start, max(start, stop)
+
     @property
     def used(self) -> int:
         """Elements occupied by parameters (the rest is padding)."""

@@ -39,6 +39,14 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     Gradients are averaged over the group as with DDP. The wrapped optimizer must be
     elementwise (SGD, Adam, AdamW, ...): it sees flat slices, not the original shapes.
 
+    Under a pipeline schedule (``colossal.pipeline``), give each stage its own stage-1
+    optimizer over that stage's parameters, with ``dp_process_group`` the data-parallel axis
+    and ``pp_process_group`` the pipeline axis, and pass it to ``forward_backward_step``: the
+    schedule accumulates every microbatch's gradients locally (through :meth:`no_sync`) and
+    reduces them once, in its last weight-gradient backward. The pipeline group makes the
+    gradient norm and the fp16 overflow verdict global, so every stage keeps the same loss
+    scale. Stage 2 cannot accumulate locally and is refused by the schedule.
+
     Args:
         optimizer: The optimizer over the model's parameters (its state must be empty).
         partition_grad: Stage 2 (gradients sharded too) when True; stage 1 otherwise.
@@ -261,22 +269,73 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         """Current loss scale (1.0 without fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Back-propagate ``loss`` (scaled under fp16) and reduce the gradients."""
+    def backward(
+        self,
+        loss: torch.Tensor | Sequence[torch.Tensor],
+        retain_graph: bool = False,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Back-propagate ``loss`` (scaled under fp16) and reduce the gradients.
+
+        Args:
+            loss: A scalar loss, or several (their gradients add up).
+            retain_graph: Keep the graph for another backward through it.
+            inputs: Accumulate gradients into these tensors only, as in
+                :func:`torch.autograd.backward` (a pipeline's split backward: inputs first,
+                parameters later). Gradients reach the buckets when parameters receive them.
+        """
+        losses = _tensors(loss, "loss")
         if self.scaler is not None:
-            loss = self.scaler.scale_loss(loss.float())
-        self.reducer.prepare_backward()
-        loss.backward(retain_graph=retain_graph)
-        self._after_backward()
+            losses = [self.scaler.scale_loss(t.float()) for t in losses]
+        self._run_backward(losses, None, retain_graph, inputs)
 
     def backward_by_grad(
-        self, tensor: torch.Tensor, grad: torch.Tensor, retain_graph: bool = False
+        self,
+        tensor: torch.Tensor | Sequence[torch.Tensor],
+        grad: torch.Tensor | Sequence[torch.Tensor],
+        retain_graph: bool = False,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """Back-propagate from ``tensor`` with gradient ``grad`` (e.g. a pipeline stage)."""
-        if self.scaler is not None:
-            grad = grad * self.scaler.scale
+        """Back-propagate from ``tensor`` with gradient ``grad`` (e.g. a pipeline stage).
+
+        Under fp16, ``grad`` must already carry the loss scale: it is the gradient of the
+        *scaled* loss, as a pipeline stage receives it from the next stage (whose
+        :meth:`backward` scaled the loss). It is not scaled again; outside a pipeline, pass
+        the gradient of ``loss * optimizer.loss_scale``. Without fp16 the scale is 1.
+
+        Args:
+            tensor: A tensor, or a sequence of tensors, to back-propagate from.
+            grad: The gradient of each tensor (same structure as ``tensor``).
+            retain_graph: Keep the graph for another backward through it.
+            inputs: Accumulate gradients into these tensors only (see :meth:`backward`).
+
+        Raises:
+            ValueError: ``tensor`` and ``grad`` differ in length.
+            TypeError: they are not tensors or sequences of tensors.
+        """
+        tensors = _tensors(tensor, "tensor")
+        grads = _tensors(grad, "grad")
+        if len(tensors) != len(grads):
+            raise ValueError(
+                f"backward_by_grad got {len(tensors)} tensors but {len(grads)} gradients; "
+                "pass one gradient per tensor"
+            )
+        self._run_backward(tensors, grads, retain_graph, inputs)
+
+    def _run_backward(
+        self,
+        tensors: list[torch.Tensor],
+        grads: list[torch.Tensor] | None,
+        retain_graph: bool,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+    ) -> None:
         self.reducer.prepare_backward()
-        torch.autograd.backward(tensor, grad, retain_graph=retain_graph)
+        torch.autograd.backward(
+            tensors,
+            grads,
+            retain_graph=retain_graph,
+            inputs=None if inputs is None else _tensors(inputs, "inputs"),
+        )
         self._after_backward()
 
     def _after_backward(self) -> None:
@@ -294,8 +353,10 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         if self.config.partition_grad:
             raise RuntimeError(
                 "no_sync() needs full local gradients, which stage 2 (partition_grad=True) does "
-                "not keep; use stage 1 for communication-free accumulation, or call backward() "
-                "for every micro-batch under stage 2 (each call reduces its gradients)"
+                "not keep; use stage 1 (partition_grad=False) for communication-free "
+                "accumulation and under pipeline parallelism (whose schedules accumulate every "
+                "microbatch locally and reduce once per step), or call backward() for every "
+                "micro-batch under stage 2 (each call reduces its gradients)"
             )
         previous, self.reducer.sync = self.reducer.sync, False
         try:
@@ -445,3 +506,14 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
 
 def _grad_hook(reducer: GradReducer, bucket: Bucket, slot: Any, _param: torch.Tensor) -> None:
     reducer.on_grad(bucket, slot)
+
+
+def _tensors(value: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """``value`` as a list of tensors (a single tensor or a sequence of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Sequence) and all(isinstance(t, torch.Tensor) for t in value):
+        return list(value)
+    raise TypeError(
+        f"{name} must be a tensor or a sequence of tensors, got {type(value).__name__}"
+    )

@@ -3,32 +3,184 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from colossal.core.comm import all_gather
+from colossal.core.comm import all_gather, broadcast
+from colossal.zero.layout import Bucket, ParamSlot
 
 if TYPE_CHECKING:
     from colossal.zero.optimizer import LowLevelZeroOptimizer
 
 MASTER_KEY = "master_param"
 
+__all__ = [
+    "MASTER_KEY",
+    "LocalRange",
+    "StateRef",
+    "StateSlice",
+    "gather_param_state",
+    "gather_state_dict",
+    "local_param_ranges",
+    "scatter_state_dict",
+    "sharded_state_dict",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class StateRef:
+    """One parameter's sharded optimizer state, not gathered yet.
+
+    :func:`sharded_state_dict` puts these where :func:`gather_state_dict` puts full tensors;
+    :func:`gather_param_state` turns one into the full tensor when (and where) it is needed.
+
+    Attributes:
+        bucket: The bucket holding the parameter.
+        slot: The parameter's place in the bucket.
+        name: The state's name (``"exp_avg"``, ``"master_param"``, ...).
+        shard: This rank's slice of the whole bucket's state.
+    """
+
+    bucket: Bucket
+    slot: ParamSlot
+    name: str
+    shard: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the full state (the parameter's shape)."""
+        return tuple(self.slot.param.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The state's dtype."""
+        return self.shard.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class StateSlice:
+    """Part of a full per-parameter state, accepted by :func:`scatter_state_dict`.
+
+    Lets a loader read only the elements a rank keeps (see :func:`local_param_ranges`).
+
+    Attributes:
+        values: Elements ``[start, start + values.numel())`` of the flattened full state.
+        start: First element of ``values`` in the flattened full state.
+        shape: Shape of the full state (must equal the parameter's).
+    """
+
+    values: torch.Tensor
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The state's dtype."""
+        return self.values.dtype
+
+
+class LocalRange(NamedTuple):
+    """Elements ``[start, stop)`` of a flattened parameter (of ``shape``) a rank keeps."""
+
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+
 
 def _is_sharded(value: Any, shard_numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == shard_numel
+
+
+def _shards(opt: LowLevelZeroOptimizer, bucket: Bucket, master: torch.Tensor) -> list[Any]:
+    """``(name, value, sharded)`` of every state of ``bucket``'s master, sorted by name."""
+    entries = dict(opt.optim.state.get(master, {}))
+    if not opt._master_is_view:
+        entries[MASTER_KEY] = master
+    n = bucket.shard_size(opt.world_size)
+    return [(k, v, _is_sharded(v, n)) for k, v in sorted(entries.items())]
+
+
+def _param_groups(opt: LowLevelZeroOptimizer) -> list[dict[str, Any]]:
+    groups = []
+    start = 0
+    for group, layout in zip(opt.optim.param_groups, opt.layouts, strict=True):
+        count = _group_param_count(opt, layout.index)
+        hyper = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + count))})
+        start += count
+    return groups
+
+
+def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
+    """:func:`gather_state_dict` without communication: sharded states stay :class:`StateRef`.
+
+    Same keys and order as :func:`gather_state_dict`; every tensor that would be gathered is
+    a :class:`StateRef` instead, so a checkpoint writer can gather each one (collectively,
+    with :func:`gather_param_state`) only when the rank that writes it needs it.
+    """
+    opt.gatherer.wait_all()
+    state: dict[int, dict[str, Any]] = {}
+    for bucket, master in zip(opt.buckets, opt.masters, strict=True):
+        for name, value, sharded in _shards(opt, bucket, master):
+            for slot in bucket.slots:
+                entry = StateRef(bucket, slot, name, value) if sharded else copy.deepcopy(value)
+                state.setdefault(slot.index, {})[name] = entry
+    return {
+        "state": state,
+        "param_groups": _param_groups(opt),
+        "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
+        "zero": {"stage": opt.config.stage, "precision": opt.precision.value},
+    }
+
+
+def gather_param_state(opt: LowLevelZeroOptimizer, ref: StateRef) -> torch.Tensor:
+    """The full, unpadded CPU tensor of one parameter's state (collective over the group).
+
+    Moves only that parameter's elements: a broadcast from the one rank holding them, or an
+    all-gather padded to the largest rank's part when the parameter straddles ranks.
+    """
+    bucket, slot, world = ref.bucket, ref.slot, opt.world_size
+    spans = [bucket.slot_shard_range(slot, r, world) for r in range(world)]
+    lengths = [stop - start for start, stop in spans]
+    lo, _ = bucket.shard_range(opt.rank, world)
+    start, stop = spans[opt.rank]
+    mine = ref.shard[slot.offset + start - lo : slot.offset + stop - lo].to(opt.device)
+    owners = [r for r, n in enumerate(lengths) if n]
+    if world == 1 or not owners:
+        full = mine.clone()
+    elif len(owners) == 1:
+        src = owners[0]
+        full = mine.clone() if src == opt.rank else mine.new_empty(slot.numel)
+        broadcast(full, src=opt._dp_ranks[src], group=opt.dp_group)
+    else:
+        width = max(lengths)
+        padded = mine.new_zeros(width)
+        padded[: mine.numel()].copy_(mine)
+        out = mine.new_empty(width * world)
+        all_gather(out, padded, group=opt.dp_group)
+        full = torch.cat([out[r * width : r * width + n] for r, n in enumerate(lengths)])
+    return full.view(slot.param.shape).cpu()
+
+
+def local_param_ranges(opt: LowLevelZeroOptimizer) -> dict[int, LocalRange]:
+    """For every trainable parameter (by optimizer index), the elements this rank keeps."""
+    return {
+        slot.index: LocalRange(
+            *bucket.slot_shard_range(slot, opt.rank, opt.world_size), tuple(slot.param.shape)
+        )
+        for bucket in opt.buckets
+        for slot in bucket.slots
+    }
 
 
 def gather_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     """Build ``{"state", "param_groups", "loss_scaler", "zero"}`` with full tensors (collective)."""
     state: dict[int, dict[str, Any]] = {}
     for bucket, master in zip(opt.buckets, opt.masters, strict=True):
-        entries = dict(opt.optim.state.get(master, {}))
-        if not opt._master_is_view:
-            entries[MASTER_KEY] = master
-        n = bucket.shard_size(opt.world_size)
-        for name, value in sorted(entries.items()):
-            if _is_sharded(value, n):
+        for name, value, sharded in _shards(opt, bucket, master):
+            if sharded:
                 full = torch.empty(bucket.size, dtype=value.dtype, device=opt.device)
                 if opt.world_size > 1:
                     all_gather(full, value.to(opt.device), group=opt.dp_group)
@@ -43,16 +195,9 @@ def gather_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
             else:
                 for slot in bucket.slots:
                     state.setdefault(slot.index, {})[name] = copy.deepcopy(value)
-    groups = []
-    start = 0
-    for group, layout in zip(opt.optim.param_groups, opt.layouts, strict=True):
-        count = _group_param_count(opt, layout.index)
-        hyper = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + count))})
-        start += count
     return {
         "state": state,
-        "param_groups": groups,
+        "param_groups": _param_groups(opt),
         "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "zero": {"stage": opt.config.stage, "precision": opt.precision.value},
     }
@@ -105,10 +250,18 @@ def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: dict[str, Any]) -> None:
         opt.scaler.load_state_dict(sd["loss_scaler"])
 
 
+def _is_tensor_state(value: Any) -> bool:
+    return isinstance(value, StateSlice) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
 def _bucket_state(
     opt: LowLevelZeroOptimizer, bucket: Any, master: torch.Tensor, states: dict[int, dict[str, Any]]
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """This rank's slice of every state of ``bucket``, and of the saved master weights."""
+    """This rank's slice of every state of ``bucket``, and of the saved master weights.
+
+    Values are full per-parameter tensors or :class:`StateSlice` parts covering this rank's
+    elements.
+    """
     names = sorted({n for s in bucket.slots for n in states.get(s.index, {})})
     lo, hi = bucket.shard_range(opt.rank, opt.world_size)
     new_state: dict[str, Any] = {}
@@ -117,10 +270,10 @@ def _bucket_state(
         sample = next(
             states[s.index][name] for s in bucket.slots if name in states.get(s.index, {})
         )
-        if not (isinstance(sample, torch.Tensor) and sample.dim() > 0):
+        if not _is_tensor_state(sample):
             new_state[name] = copy.deepcopy(sample)
             continue
-        full = torch.zeros(bucket.size, dtype=sample.dtype)
+        shard = torch.zeros(hi - lo, dtype=sample.dtype)
         for slot in bucket.slots:
             value = states.get(slot.index, {}).get(name)
             if value is None:
@@ -131,10 +284,24 @@ def _bucket_state(
                     f"the parameter has {tuple(slot.param.shape)}; "
                     "the checkpoint belongs to another model"
                 )
-            full[slot.offset - bucket.start : slot.end - bucket.start].copy_(value.reshape(-1))
-        shard = full[lo - bucket.start : hi - bucket.start]
+            start, stop = bucket.slot_shard_range(slot, opt.rank, opt.world_size)
+            if start == stop:
+                continue
+            if isinstance(value, StateSlice):
+                end = value.start + value.values.numel()
+                if value.start > start or end < stop:
+                    raise ValueError(
+                        f"state {name!r} of parameter {slot.index} holds elements "
+                        f"[{value.start}, {end}) but this rank needs [{start}, {stop}); "
+                        "read the slice local_param_ranges() reports"
+                    )
+                part = value.values[start - value.start : stop - value.start]
+            else:
+                part = value.reshape(-1)[start:stop]
+            at = slot.offset + start - lo
+            shard[at : at + stop - start].copy_(part)
         if name == MASTER_KEY:
             master_shard = shard
         else:
-            new_state[name] = shard.to(device=master.device, dtype=sample.dtype).clone()
+            new_state[name] = shard.to(device=master.device, dtype=sample.dtype)
     return new_state, master_shard

@@ -159,3 +159,23 @@ def test_no_sync_accumulation(rank: int, world_size: int, plugin: str) -> None:
         results.append({k: v.clone() for k, v in model.unwrap().state_dict().items()})
     for name in results[0]:
         torch.testing.assert_close(results[0][name], results[1][name], msg=name)
+
+
+@distributed_test(1)
+def test_fp16_backward_by_grad_takes_a_scaled_grad(rank: int, world_size: int) -> None:
+    """backward_by_grad(loss, d(scaled loss)/d(loss)) gives backward(loss)'s grads."""
+    grads = []
+    for by_grad in (False, True):
+        booster = make_booster("none", "fp16")
+        plain = make_model()
+        model, optimizer, *_ = booster.boost(plain, make_optimizer(plain))
+        x, y = local_batch(0, rank, world_size)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        if by_grad:
+            optimizer.backward_by_grad(loss, torch.tensor(optimizer.loss_scale))
+        else:
+            booster.backward(loss, optimizer)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert optimizer.loss_scale > 1.0  # the grads really are scaled
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

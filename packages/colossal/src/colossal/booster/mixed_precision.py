@@ -153,9 +153,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def backward_by_grad(
         self, tensor: torch.Tensor, grad: torch.Tensor, *args: Any, **kwargs: Any
     ) -> None:
-        """Back-propagate ``grad`` (scaled) from ``tensor``."""
-        if self.scaler is not None:
-            grad = grad * self.scaler.scale
+        """Back-propagate ``grad`` from ``tensor``.
+
+        Under fp16, ``grad`` must already carry the loss scale (it is the gradient of the
+        scaled loss, as a pipeline stage receives it from the next stage); it is not scaled
+        again. Outside a pipeline, take it from ``loss * optimizer.loss_scale``.
+        """
         torch.autograd.backward(tensor, grad, *args, **kwargs)
 
     def _grads(self) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,10 +99,10 @@ def train_steps(
 
 
 def reference(
-    steps: int, start_state: dict[str, torch.Tensor] | None = None
+    steps: int, make: Callable[[], nn.Module] | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process fp32 training on the global batch."""
-    model = make_model()
+    """Single-process fp32 training of ``make()`` (default: ``make_model``) on the global batch."""
+    model = (make or make_model)()
     optimizer = make_optimizer(model)
     losses = []
     for step in range(steps):

@@ -14,11 +14,11 @@ import torch
 from booster_testlib import (
     IN,
     OUT,
-    batch,
     full_state,
     make_booster,
     make_model,
     make_optimizer,
+    reference,
     train_steps,
 )
 from torch import nn
@@ -64,21 +64,6 @@ def make_blocks(seed: int = 1234) -> Blocks:
 MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": make_model, "blocks": make_blocks}
 
 
-def reference(model_name: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process fp32 training of ``model_name`` on the global batch."""
-    model = MODELS[model_name]()
-    optimizer = make_optimizer(model)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _run(rank: int, world_size: int, plugin: str, precision: str, model_name: str) -> None:
     kwargs: dict = {}
     if plugin.startswith("zero") and precision == "fp16":
@@ -101,7 +86,7 @@ def _run(rank: int, world_size: int, plugin: str, precision: str, model_name: st
         losses = train_steps(model, optimizer, booster, range(STEPS), 0, 1)
     else:
         losses = train_steps(model, optimizer, booster, range(STEPS), rank, world_size)
-    ref_losses, ref_state = reference(model_name, STEPS)
+    ref_losses, ref_state = reference(STEPS, MODELS[model_name])
     state = full_state(model, booster)
     tol = ZERO_FP16_TOL if plugin.startswith("zero") and precision == "fp16" else TOL[precision]
     where = f"{plugin}/{precision}/{model_name} at world {world_size}"
@@ -132,5 +117,5 @@ def test_plugin_matches_reference(rank: int, world_size: int, plugin: str, preci
 def test_fp32_reference_differs_from_bf16() -> None:
     """The tolerances are tight enough to tell precisions apart (tests can fail)."""
     for model_name in MODELS:
-        ref_losses, _ = reference(model_name, STEPS)
+        ref_losses, _ = reference(STEPS, MODELS[model_name])
         assert abs(ref_losses[-1] - ref_losses[0]) > TOL["bf16"], model_name

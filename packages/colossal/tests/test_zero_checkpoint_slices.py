@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from booster_testlib import local_batch
+from booster_testlib import train_steps
 from safetensors.torch import load_file
 from torch import nn
 
@@ -48,20 +48,6 @@ def _boost(stage: int, precision: str, seed: int) -> tuple[Booster, Any, Any]:
     return booster, model, optimizer
 
 
-def _train(booster: Booster, model: Any, optimizer: Any, steps: range, rank: int, world: int):
-    losses = []
-    for step in steps:
-        x, y = local_batch(step, rank, world)
-        loss = nn.functional.mse_loss(model(x).float(), y)
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        value = loss.detach().float().clone()
-        dist.all_reduce(value)
-        losses.append(float(value) / world)
-    return losses
-
-
 def _files(directory: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(directory)):
@@ -74,11 +60,11 @@ def _files(directory: str) -> dict[str, torch.Tensor]:
 def test_load_reads_only_local_slices(rank: int, world_size: int, tmp_path: Any) -> None:
     stage, precision = (2, "bf16") if world_size == 2 else (1, "fp16")
     booster, model, optimizer = _boost(stage, precision, seed=1)
-    _train(booster, model, optimizer, range(3), rank, world_size)
+    train_steps(model, optimizer, booster, range(3), rank, world_size)
     model_dir, optim_dir = str(tmp_path / "model"), str(tmp_path / "optim")
     booster.save_model(model, model_dir, shard=True, size_per_shard=SHARD_MB)
     booster.save_optimizer(optimizer, optim_dir, shard=True, size_per_shard=SHARD_MB)
-    expected = _train(booster, model, optimizer, range(3, 6), rank, world_size)
+    expected = train_steps(model, optimizer, booster, range(3, 6), rank, world_size)
 
     booster, model, optimizer = _boost(stage, precision, seed=2)
     booster.load_model(model, model_dir)
@@ -111,14 +97,14 @@ def test_load_reads_only_local_slices(rank: int, world_size: int, tmp_path: Any)
     assert sorted(loaded) == sorted(stored)
     for key, value in stored.items():
         assert torch.equal(loaded[key].cpu(), value), key
-    resumed = _train(booster, model, optimizer, range(3, 6), rank, world_size)
+    resumed = train_steps(model, optimizer, booster, range(3, 6), rank, world_size)
     assert resumed == expected, (resumed, expected)
 
 
 @distributed_test(2)
 def test_save_gathers_only_what_a_rank_writes(rank: int, world_size: int, tmp_path: Any) -> None:
     booster, model, optimizer = _boost(2, "bf16", seed=1)
-    _train(booster, model, optimizer, range(2), rank, world_size)
+    train_steps(model, optimizer, booster, range(2), rank, world_size)
     io = booster.checkpoint_io
     gathered: list[int] = []
     kept = 0

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -8,7 +9,14 @@ import textwrap
 import pytest
 import torch
 
-from colossal.core.io import TensorFileIO, read_tensor_file_async, write_tensor_file_async
+from colossal.core.io import (
+    ALIGNMENT,
+    TensorFileIO,
+    direct_io_supported,
+    empty_aligned,
+    read_tensor_file_async,
+    write_tensor_file_async,
+)
 
 
 @pytest.mark.parametrize("keep_open", [False, True])
@@ -132,3 +140,74 @@ def test_pending_writes_finish_at_interpreter_exit(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     data = torch.frombuffer(bytearray(target.read_bytes()), dtype=torch.float32)
     assert torch.equal(data, torch.full((100_000,), 49.0))
+
+
+# ---- O_DIRECT ---------------------------------------------------------------------------------
+
+def _need_direct(path) -> None:
+    if not direct_io_supported(path):
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.int64])
+@pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 300_001])
+def test_empty_aligned(dtype, numel):
+    t = empty_aligned(numel, dtype)
+    assert t.dtype == dtype and t.shape == (numel,) and t.is_contiguous()
+    assert t.data_ptr() % ALIGNMENT == 0
+    t.fill_(3)  # the memory is usable to the last element
+    assert bool((t == 3).all()) and t.untyped_storage().nbytes() >= t.nbytes + ALIGNMENT
+    with pytest.raises(ValueError, match="numel=-1"):
+        empty_aligned(-1)
+
+
+def test_direct_io_round_trip_matches_buffered_bytes(tmp_path):
+    _need_direct(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    a = empty_aligned(3 * ALIGNMENT // 4).copy_(torch.randn(3 * ALIGNMENT // 4, generator=g))
+    b = empty_aligned(ALIGNMENT, torch.uint8).copy_(
+        torch.randint(0, 256, (ALIGNMENT,), generator=g, dtype=torch.uint8))
+    path = tmp_path / "d.bin"
+    with TensorFileIO(keep_open=True, direct_io=True) as io:
+        assert io.direct_io
+        assert io.write_from(path, a).result() == a.nbytes
+        assert io.write_from(path, b, offset=a.nbytes).result() == b.nbytes
+        out_a, out_b = empty_aligned(a.numel()), empty_aligned(b.numel(), torch.uint8)
+        assert io.read_into(path, out_b, a.nbytes).result() == b.nbytes
+        assert io.read_into(path, out_a).result() == a.nbytes
+        with pytest.raises(ValueError, match="truncated"):  # a short direct read is the end
+            io.read_into(path, empty_aligned(ALIGNMENT // 4), a.nbytes + b.nbytes).result()
+    assert torch.equal(out_a, a) and torch.equal(out_b, b)
+    assert path.read_bytes() == a.numpy().tobytes() + b.numpy().tobytes()
+
+
+def test_direct_io_rejects_unaligned_tensors_and_offsets(tmp_path):
+    with TensorFileIO(direct_io=True) as io:
+        aligned = empty_aligned(ALIGNMENT // 4)
+        with pytest.raises(ValueError, match=r"offset 100 \(remainder 100\)"):
+            io.write_from(tmp_path / "x", aligned, offset=100)
+        with pytest.raises(ValueError, match=r"byte count 16 .*empty_aligned"):
+            io.read_into(tmp_path / "x", empty_aligned(4))
+        shifted = empty_aligned(ALIGNMENT // 4 + 1)[1:]
+        with pytest.raises(ValueError, match=r"address \d+ \(remainder 4\)"):
+            io.write_from(tmp_path / "x", shifted)
+    assert not (tmp_path / "x").exists()  # refused before any IO
+
+
+def test_direct_io_supported_probe(tmp_path, monkeypatch):
+    real_open = os.open
+    assert direct_io_supported(tmp_path) in (True, False)
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert direct_io_supported(tmp_path) is False
+    assert os.listdir(tmp_path) == []
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    assert direct_io_supported(tmp_path) is False
+    with pytest.raises(ValueError, match="O_DIRECT"):
+        TensorFileIO(direct_io=True)

@@ -8,7 +8,9 @@ import textwrap
 import pytest
 import torch
 
+from colossal.core.io import direct_io_supported
 from colossal.kernels import REGISTRY, CPUAdam, HybridAdam
+from colossal.kernels.optim import _nvme
 
 SIZES = [5000, 1200, 7000, 300, 2500, 4000]
 
@@ -30,13 +32,17 @@ def _files(opt):
     return sorted(os.listdir(opt._store.directory))
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("impl", ["cpp", "torch"])
 @pytest.mark.parametrize("cls", [CPUAdam, HybridAdam])
-def test_offload_is_bit_identical(tmp_path, impl, cls):
+def test_offload_is_bit_identical(tmp_path, impl, cls, direct):
+    if direct and not direct_io_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
     plain, off = _params(), _params()
     o1 = cls(plain, lr=1e-2, weight_decay=0.1)
     o2 = cls(off, lr=1e-2, weight_decay=0.1, nvme_offload_fraction=0.5,
-             nvme_offload_dir=str(tmp_path))
+             nvme_offload_dir=str(tmp_path), nvme_direct_io=direct)
+    assert o2._store.direct_io is direct
     copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in off]
     o2.attach_working_params(dict(zip(off, copies, strict=False)))
     with REGISTRY.force("cpu_adam", impl):
@@ -186,3 +192,22 @@ def test_io_goes_through_core_tensor_file_io_and_errors_propagate(tmp_path):
         opt.step(grads=dict(zip(params, _grads(1), strict=False)))
     assert os.listdir(tmp_path) == []  # removed after the error
     assert opt._store._io.closed
+
+
+def test_direct_io_is_the_default_where_supported_and_required_on_request(tmp_path, monkeypatch):
+    store = _nvme.NVMeStateStore(tmp_path)
+    assert store.direct_io is direct_io_supported(store.directory)
+    # records are padded to whole blocks; a state round-trips whatever its size
+    state = torch.randn(1001)
+    store.write(0, state[:500], state[500:])
+    assert torch.equal(store.read(0, 1001), state)
+    assert os.path.getsize(store.path(0)) == 4 * _nvme.padded(1001) == 4096
+    store.close()
+    monkeypatch.setattr(_nvme, "direct_io_supported", lambda directory: False)
+    fallback = _nvme.NVMeStateStore(tmp_path)
+    assert fallback.direct_io is False  # falls back to buffered IO
+    fallback.close()
+    with pytest.raises(ValueError, match="nvme_direct_io=True .* refuses O_DIRECT"):
+        CPUAdam([torch.nn.Parameter(torch.ones(2))], nvme_offload_fraction=0.5,
+                nvme_offload_dir=str(tmp_path), nvme_direct_io=True)
+    assert os.listdir(tmp_path) == []  # the refused store left nothing behind

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from colossal.core.io._buffers import ALIGNMENT, empty_aligned
 from colossal.core.io.handle import AsyncHandle, ReadHandle, WriteHandle
 from colossal.core.io.reader import (
     AsyncTensorReader,
@@ -25,12 +26,14 @@ from colossal.core.io.reader import (
 from colossal.core.io.safetensors_format import SafetensorsHeader, TensorInfo
 from colossal.core.io.tensor_file import (
     TensorFileIO,
+    direct_io_supported,
     read_tensor_file_async,
     write_tensor_file_async,
 )
 from colossal.core.io.writer import AsyncTensorWriter, save_safetensors, save_safetensors_async
 
 __all__ = [
+    "ALIGNMENT",
     "AsyncHandle",
     "AsyncTensorReader",
     "AsyncTensorWriter",
@@ -39,6 +42,8 @@ __all__ = [
     "TensorFileIO",
     "TensorInfo",
     "WriteHandle",
+    "direct_io_supported",
+    "empty_aligned",
     "load_safetensors",
     "load_safetensors_async",
     "read_safetensors_header",

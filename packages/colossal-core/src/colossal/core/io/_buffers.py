@@ -32,6 +32,23 @@ def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def empty_aligned(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor whose memory starts at a multiple of :data:`ALIGNMENT`.
+
+    Such a tensor can be read into and written from with ``O_DIRECT`` (when its byte length is
+    a multiple of :data:`ALIGNMENT` too). It is a view of a slightly larger buffer.
+
+    Raises:
+        ValueError: ``numel`` is negative.
+    """
+    if numel < 0:
+        raise ValueError(f"numel={numel!r} is invalid; use a count >= 0")
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+    start = -buffer.data_ptr() % ALIGNMENT
+    return buffer[start : start + nbytes].view(dtype)
+
+
 def tensor_from_buffer(buffer: bytearray, info: TensorInfo) -> torch.Tensor:
     """A tensor of ``info``'s dtype and shape that owns (shares) ``buffer``, without a copy."""
     if info.numel == 0:

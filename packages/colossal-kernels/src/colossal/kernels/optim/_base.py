@@ -79,6 +79,9 @@ class AdamBase(Optimizer):
         nvme_offload_fraction: Fraction (by elements) of the CPU params' optimizer state that
             lives on disk.
         nvme_offload_dir: Where the state files go (``None``: the system temp directory).
+        nvme_direct_io: Move the offloaded state with ``O_DIRECT`` (bypassing the page
+            cache: the state really leaves RAM and the IO costs little CPU). ``None``: when the
+            filesystem supports it, else buffered IO; ``True``: require it; ``False``: buffered.
         defaults: Extra per-group defaults.
     """
 
@@ -86,7 +89,8 @@ class AdamBase(Optimizer):
         self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
         adamw_mode: bool = True, nvme_offload_fraction: float = 0.0,
-        nvme_offload_dir: str | None = None, **defaults: Any,
+        nvme_offload_dir: str | None = None, nvme_direct_io: bool | None = None,
+        **defaults: Any,
     ) -> None:
         _check_hyper(lr, tuple(betas), eps, weight_decay)  # type: ignore[arg-type]
         if not 0.0 <= nvme_offload_fraction <= 1.0:
@@ -108,7 +112,7 @@ class AdamBase(Optimizer):
         self._io_mark = 0.0  # store.io_cpu_seconds at the start of the last offloaded step
         self._compute_core_s: float | None = None  # last offloaded step's compute core-seconds
         if self.nvme_offload_fraction > 0.0:
-            self._store = NVMeStateStore(nvme_offload_dir)
+            self._store = NVMeStateStore(nvme_offload_dir, direct_io=nvme_direct_io)
 
     # ---- working copies -----------------------------------------------------------------
     def attach_working_params(self, mapping: Mapping[torch.Tensor, torch.Tensor]) -> None:
@@ -310,9 +314,8 @@ class AdamBase(Optimizer):
                 self._offload_keys[p] = len(self._offload_keys)
                 state = self.state.get(p)
                 if state and "exp_avg" in state:  # state created before planning: move it
-                    self._store.write(self._offload_keys[p],
-                                      torch.cat([state.pop("exp_avg").reshape(-1),
-                                                 state.pop("exp_avg_sq").reshape(-1)]))
+                    self._store.write(self._offload_keys[p], state.pop("exp_avg"),
+                                      state.pop("exp_avg_sq"))
         logger.debug("NVMe offload: %d of %d params (%d elements)", len(self._offload_keys),
                      len(new), chosen)
 
@@ -396,5 +399,4 @@ class AdamBase(Optimizer):
         for p, key in self._offload_keys.items():
             state = self.state.get(p)
             if state and "exp_avg" in state:
-                self._store.write(key, torch.cat([state.pop("exp_avg").reshape(-1).float(),
-                                                  state.pop("exp_avg_sq").reshape(-1).float()]))
+                self._store.write(key, state.pop("exp_avg"), state.pop("exp_avg_sq"))

@@ -33,6 +33,8 @@ class CPUAdam(AdamBase):
         nvme_offload_fraction: Fraction (by elements) of the CPU params' optimizer state kept
             on disk and prefetched asynchronously during the step.
         nvme_offload_dir: Directory for the state files (``None``: the system temp dir).
+        nvme_direct_io: Offloaded state IO with ``O_DIRECT`` (``None``: when the filesystem
+            supports it; see :class:`~colossal.kernels.optim._base.AdamBase`).
         **defaults: Extra per-group defaults.
 
     Example:
@@ -48,12 +50,14 @@ class CPUAdam(AdamBase):
         self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
         adamw_mode: bool = True, nvme_offload_fraction: float = 0.0,
-        nvme_offload_dir: str | None = None, **defaults: Any,
+        nvme_offload_dir: str | None = None, nvme_direct_io: bool | None = None,
+        **defaults: Any,
     ) -> None:
         super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas,
                          eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                          nvme_offload_fraction=nvme_offload_fraction,
-                         nvme_offload_dir=nvme_offload_dir, **defaults)
+                         nvme_offload_dir=nvme_offload_dir, nvme_direct_io=nvme_direct_io,
+                         **defaults)
 
     def _kernel_for(self, device: torch.device) -> AdamFn:
         if device.type == "cpu":

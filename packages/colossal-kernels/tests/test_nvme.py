@@ -211,3 +211,44 @@ def test_direct_io_is_the_default_where_supported_and_required_on_request(tmp_pa
         CPUAdam([torch.nn.Parameter(torch.ones(2))], nvme_offload_fraction=0.5,
                 nvme_offload_dir=str(tmp_path), nvme_direct_io=True)
     assert os.listdir(tmp_path) == []  # the refused store left nothing behind
+
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (``mincore`` over a private mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        first = ctypes.c_char.from_buffer(mm)  # the mapping's address (nothing is touched)
+        failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(size),
+                              vec)
+        del first  # release the buffer export before the mapping closes
+    if failed:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux-specific")
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_io_keeps_the_state_out_of_memory(tmp_path, direct):
+    """With O_DIRECT the offloaded state is on the device only; buffered, the page cache
+    keeps it (which is why direct IO is the default)."""
+    if direct and not direct_io_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    params = _params()
+    opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path),
+                  nvme_direct_io=direct)
+    for step in range(2):
+        opt.step(grads=dict(zip(params, _grads(step), strict=False)))
+    paths = [os.path.join(opt._store.directory, f) for f in _files(opt)]
+    assert paths
+    resident = sum(_resident_pages(p) for p in paths)
+    opt.close()
+    if direct:
+        assert resident == 0
+    else:
+        assert resident > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,21 @@ def test_fp16_backward_by_grad_takes_a_scaled_grad(rank: int, world_size: int) -
     assert optimizer.loss_scale > 1.0  # the grads really are scaled
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+@distributed_test(2)
+def test_ddp_broadcast_buffers(rank: int, world_size: int, broadcast: bool) -> None:
+    """True: rank 0's buffers everywhere (no deprecation warning); False: buffers stay local."""
+    from colossal.booster.plugin import TorchDDPPlugin
+
+    model = make_model()
+    model.register_buffer("seen", torch.full((3,), float(rank)))
+    booster = Booster(plugin=TorchDDPPlugin(broadcast_buffers=broadcast))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model, *_ = booster.boost(model)
+    x, _ = local_batch(0, rank, world_size)
+    model(x)
+    expected = 0.0 if broadcast else float(rank)
+    assert torch.equal(model.unwrap().seen, torch.full((3,), expected))

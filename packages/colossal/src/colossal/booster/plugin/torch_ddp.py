@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +45,19 @@ class TorchDDPModel(ModelWrapper):
     def __init__(self, module: nn.Module, config: DDPConfig, process_group: Any = None) -> None:
         device = next(module.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
-        super().__init__(
-            DistributedDataParallel(
-                module, device_ids=ids, process_group=process_group, **dataclasses.asdict(config)
-            )
-        )
+        kwargs = dataclasses.asdict(config)
+        broadcast = kwargs.pop("broadcast_buffers")  # True is DDP's default: not passed
+        with warnings.catch_warnings():
+            if not broadcast:
+                # Torch 2.13 deprecates the argument, but its replacement
+                # (forward_sync_buffers=False) still syncs at init; only this keeps buffers
+                # rank-local as the plugin's argument documents.
+                warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated",
+                                        FutureWarning)
+                kwargs["broadcast_buffers"] = False
+            ddp = DistributedDataParallel(module, device_ids=ids, process_group=process_group,
+                                          **kwargs)
+        super().__init__(ddp)
 
 
 class TorchDDPPlugin(DPPluginBase):
@@ -57,7 +66,8 @@ class TorchDDPPlugin(DPPluginBase):
     Precision is left to the Booster (``Booster(mixed_precision="fp16"|"bf16", ...)``).
 
     Args:
-        broadcast_buffers: Broadcast buffers from rank 0 at every forward.
+        broadcast_buffers: Broadcast buffers from rank 0 at wrapping and at every forward
+            (``False``: buffers stay rank-local).
         bucket_cap_mb: Gradient bucket size in MB.
         find_unused_parameters: Detect parameters that get no gradient.
         check_reduction: Deprecated DDP flag (kept for API compatibility).

@@ -85,10 +85,16 @@ def test_lazy_gpt2_equals_eager() -> None:
 
 @distributed_test(2)
 def test_plugins_materialize_lazy_models(rank: int, world_size: int) -> None:
-    eager_state = _eager().state_dict()
+    """Lazy tensors are materialized; real ones mixed in (a module built eagerly, a buffer
+    registered later) keep their values."""
+    eager = _eager()
+    eager.register_buffer("real", torch.arange(5.0))
+    eager_state = eager.state_dict()
     for plugin in ("ddp", "zero2", "fsdp"):
         booster = make_booster(plugin)
         model = _lazy()
+        model.net[4] = _eager().net[4]  # a real module in a lazy model
+        model.register_buffer("real", torch.arange(5.0))
         optimizer = make_optimizer(model)
         model, optimizer, *_ = booster.boost(model, optimizer)
         if plugin == "fsdp":  # each rank holds only its rows of every weight

@@ -169,20 +169,33 @@ def _lazy_recipes(model: nn.Module) -> dict[str, torch.Tensor]:
 def _materialize_shards(
     model: nn.Module, recipes: dict[str, torch.Tensor], device: torch.device
 ) -> None:
-    """Allocate the sharded model and fill each rank's rows, one full tensor at a time."""
-    model.to_empty(device=device)
-    with torch.no_grad():
-        named = [
+    """Allocate the sharded model and fill each rank's rows, one full tensor at a time.
+
+    Tensors that were real already (built outside the lazy context, or assigned later) keep
+    their values: ``to_empty`` reallocates every tensor, so their local data is saved first.
+    """
+
+    def named() -> list[tuple[str, torch.Tensor]]:
+        return [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
         ]
-        for name, tensor in named:
-            if name not in recipes:
-                continue
-            full = materialize_tensor(recipes[name])
+
+    real = {
+        name: _target(t)[0].detach().clone()
+        for name, t in named()
+        if name not in recipes and not _target(t)[0].is_meta
+    }
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in named():
             local, rows = _target(tensor)
-            local.copy_(full if rows is None else full[rows])
-            del full
+            if name in real:
+                local.copy_(real.pop(name))
+            elif name in recipes:
+                full = materialize_tensor(recipes[name])
+                local.copy_(full if rows is None else full[rows])
+                del full
 
 
 def _module_types(model: nn.Module, names: Sequence[str] | None) -> list[nn.Module]:

@@ -82,6 +82,32 @@ def test_state_dict_is_full_and_unpadded(rank: int, world_size: int) -> None:
 
 
 @distributed_test(2)
+def test_gather_param_state_to_one_rank(rank: int, world_size: int) -> None:
+    """With dst, the state reaches only that rank and equals the all-ranks gather."""
+    from colossal.zero.state_dict import StateRef, gather_param_state, sharded_state_dict
+
+    model = make_model(torch.bfloat16)
+    opt = LowLevelZeroOptimizer(make_optimizer(model), reduce_bucket_size=64)
+    _train(model, opt, range(2), rank, world_size)
+    full = opt.state_dict()["state"]
+    refs = [(i, name, ref) for i, entry in sharded_state_dict(opt)["state"].items()
+            for name, ref in entry.items() if isinstance(ref, StateRef)]
+    straddling = 0
+    for i, name, ref in refs:
+        spans = [ref.bucket.slot_shard_range(ref.slot, r, world_size) for r in range(world_size)]
+        straddling += sum(stop > start for start, stop in spans) > 1
+        for dst in range(world_size):
+            got = gather_param_state(opt, ref, dst)
+            if rank == dst:
+                assert got is not None and torch.equal(got, full[i][name]), (i, name, dst)
+            else:
+                assert got is None
+    assert straddling > 0  # some parameter really is split over both ranks
+    with pytest.raises(ValueError, match="dst=2"):
+        gather_param_state(opt, refs[0][2], 2)
+
+
+@distributed_test(2)
 def test_loading_another_models_state_is_refused(rank: int, world_size: int) -> None:
     model = make_model()
     opt = LowLevelZeroOptimizer(make_optimizer(model))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from colossal.core.comm import all_gather, broadcast
+from colossal.core.comm import all_gather, broadcast, recv, send
 from colossal.zero.layout import Bucket, ParamSlot
 
 if TYPE_CHECKING:
@@ -135,11 +135,15 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     }
 
 
-def gather_param_state(opt: LowLevelZeroOptimizer, ref: StateRef) -> torch.Tensor:
+def gather_param_state(opt: LowLevelZeroOptimizer, ref: StateRef, dst: int | None = None
+                       ) -> torch.Tensor | None:
     """The full, unpadded CPU tensor of one parameter's state (collective over the group).
 
     Moves only that parameter's elements: a broadcast from the one rank holding them, or an
-    all-gather padded to the largest rank's part when the parameter straddles ranks.
+    all-gather padded to the largest rank's part when the parameter straddles ranks. With
+    ``dst`` (a rank of the optimizer's group, counted within it), only that rank receives the
+    state: the ranks holding parts send them to it point to point, and the others get
+    ``None`` (nothing is allocated or moved for them).
     """
     bucket, slot, world = ref.bucket, ref.slot, opt.world_size
     spans = [bucket.slot_shard_range(slot, r, world) for r in range(world)]
@@ -148,8 +152,22 @@ def gather_param_state(opt: LowLevelZeroOptimizer, ref: StateRef) -> torch.Tenso
     start, stop = spans[opt.rank]
     mine = ref.shard[slot.offset + start - lo : slot.offset + stop - lo].to(opt.device)
     owners = [r for r, n in enumerate(lengths) if n]
+    if dst is not None and not 0 <= dst < world:
+        raise ValueError(f"dst={dst!r} is not a rank of the optimizer's group of {world}")
     if world == 1 or not owners:
         full = mine.clone()
+    elif dst is not None:
+        if opt.rank != dst:
+            if lengths[opt.rank]:
+                send(mine.contiguous(), dst=opt._dp_ranks[dst], group=opt.dp_group)
+            return None
+        full = mine.new_empty(slot.numel)
+        for r in owners:  # in rank order: each sender sends one part per parameter
+            part = full[spans[r][0] : spans[r][1]]
+            if r == dst:
+                part.copy_(mine)
+            else:
+                recv(part, src=opt._dp_ranks[r], group=opt.dp_group)
     elif len(owners) == 1:
         src = owners[0]
         full = mine.clone() if src == opt.rank else mine.new_empty(slot.numel)

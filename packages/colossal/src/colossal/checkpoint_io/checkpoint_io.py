@@ -105,8 +105,12 @@ class CheckpointIO:
         """Tensors by name, the same names on every rank (full after :meth:`to_full`)."""
         return unwrap_model(model).state_dict()
 
-    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The full tensor of a possibly sharded one (collective for sharded tensors)."""
+    def to_full(self, tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """The full tensor of a possibly sharded one (collective for sharded tensors).
+
+        ``dst`` is the rank of the group that needs it (the writer of its file); a plugin may
+        then return ``None`` on the other ranks instead of gathering to all of them.
+        """
         return tensor
 
     def load_model_state(

@@ -82,7 +82,7 @@ class ShardedSaver:
         size_per_shard_mb: float,
         extra: Mapping[str, Any] | None = None,
         use_async: bool = False,
-        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
         extra_files: Mapping[str, str] | None = None,
     ) -> None:
@@ -90,7 +90,8 @@ class ShardedSaver:
 
         Collective over the group. ``extra`` is merged into the index JSON. ``gather`` turns
         a (possibly sharded) tensor into the full one; every rank calls it for every tensor in
-        the same order, and only the rank that writes a tensor's file keeps the result.
+        the same order with the rank (in the group) that writes the tensor's file, which is
+        the only rank that needs the result (the others may get ``None``).
         With ``use_async``, the tensors named in ``background`` are snapshotted on a
         background thread after this returns: the caller must call :meth:`wait_snapshots`
         before modifying them. The others are copied before this returns. Rank 0 also
@@ -119,7 +120,7 @@ class ShardedSaver:
             owner = writer == rank
             part, fenced = {}, set()
             for n in names:
-                full = gather(tensors[n])  # may be collective: every rank, same order
+                full = gather(tensors[n], writer)  # may be collective: every rank, in order
                 if owner:
                     part[n] = full.detach()
                     if n in background or full is not tensors[n]:
@@ -223,7 +224,7 @@ class ShardedSaver:
             self._writer.close()
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
+def _identity(tensor: torch.Tensor, dst: int) -> torch.Tensor:
     return tensor
 
 

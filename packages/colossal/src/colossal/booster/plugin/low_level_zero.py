@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -130,12 +131,25 @@ class ZeroCheckpointIO(CheckpointIO):
                     entries[name] = holder
         return state
 
-    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather a placeholder's state (collective); other tensors are returned as they are."""
+    def to_full(self, tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """Gather a placeholder's state (collective); other tensors are returned as they are.
+
+        With ``dst`` (a rank of this IO's group), only that rank receives the state; the
+        others get ``None``.
+        """
         found = self._refs.get(_placeholder_key(tensor)) if self._refs else None
         if found is None:
             return tensor
-        return gather_param_state(*found)
+        optimizer, ref = found
+        return gather_param_state(optimizer, ref, self._optimizer_rank(optimizer, dst))
+
+    def _optimizer_rank(self, optimizer: LowLevelZeroOptimizer, dst: int | None) -> int | None:
+        """``dst`` (a rank of this IO's group) as a rank of the optimizer's group, if in it."""
+        if dst is None or not dist.is_initialized():
+            return dst
+        global_rank = dst if self.group is None else dist.get_global_rank(self.group, dst)
+        ranks = list(optimizer._dp_ranks)
+        return ranks.index(global_rank) if global_rank in ranks else None
 
     def save_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """:meth:`CheckpointIO.save_optimizer` that gathers each state only for its writer."""

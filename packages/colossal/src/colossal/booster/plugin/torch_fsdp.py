@@ -99,8 +99,8 @@ def _local_rows(t: DTensor) -> slice | None:
 class FSDPCheckpointIO(CheckpointIO):
     """Gathers full tensors for saving; loads only this rank's rows of each tensor."""
 
-    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather a DTensor (collective); plain tensors pass through."""
+    def to_full(self, tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor:
+        """Gather a DTensor on every rank (collective); plain tensors pass through."""
         return _full(tensor)
 
     def load_model_state(

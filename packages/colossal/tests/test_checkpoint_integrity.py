@@ -79,6 +79,24 @@ def test_checksums_are_split_over_ranks_and_agreed(tmp_path) -> None:
     assert "found by rank 1" in results[0][3]
 
 
+def _save_to_node_local_paths(rank: int, world_size: int, root: str) -> str | None:
+    """Each rank passes its own directory, as ranks on different nodes with local disks."""
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(make_model())
+    try:
+        booster.save_model(model, os.path.join(root, f"node{rank}", "ckpt"), shard=True)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_save_needs_a_filesystem_shared_by_the_ranks(tmp_path) -> None:
+    errors = spawn(_save_to_node_local_paths, 2, args=(str(tmp_path),))
+    for error in errors:  # every rank fails at once with the reason, none waits for the rest
+        assert error is not None and "ranks [1] do not see" in error and "shared" in error
+    assert os.listdir(tmp_path / "node0") == []  # the staging directory was removed
+
+
 def test_single_process_verifies_every_file(tmp_path, monkeypatch) -> None:
     booster = Booster()
     model, *_ = booster.boost(make_model())

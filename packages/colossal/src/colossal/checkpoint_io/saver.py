@@ -28,13 +28,14 @@ import torch.distributed as dist
 from colossal.checkpoint_io.commit import commit_directory, staging_directory
 from colossal.checkpoint_io.index import (
     FORMAT_VERSION,
+    CheckpointError,
     crc32_from_tensors,
     file_crc32,
     plan_shards,
     shard_file_names,
     write_json_atomic,
 )
-from colossal.core.comm import barrier
+from colossal.core.comm import all_gather_object, barrier
 from colossal.core.io import AsyncTensorWriter, WriteHandle
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class ShardedSaver:
                 shutil.rmtree(staging)
             os.makedirs(staging)
         if world > 1:
-            barrier(self.group)
+            _check_shared_directory(staging, rank, self.group)
         sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
         limit = size_per_shard_mb * 1024**2
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
@@ -222,6 +223,37 @@ class ShardedSaver:
         self._executor.shutdown(wait=True)
         if self._writer is not None:
             self._writer.close()
+
+
+def _check_shared_directory(staging: str, rank: int, group: dist.ProcessGroup | None) -> None:
+    """Raise :class:`CheckpointError` on every rank unless all see rank 0's ``staging``.
+
+    Ranks write their files into the directory rank 0 created and rank 0 waits for them, so a
+    path that is not on a filesystem shared by the group would fail late (after a long
+    wait). Rank 0 leaves a random token there; every rank reads it back.
+    """
+    token_path = os.path.join(staging, ".shared-check")
+    if rank == 0:
+        with open(token_path, "w", encoding="ascii") as file:
+            file.write(os.urandom(16).hex())
+    barrier(group)
+    try:
+        with open(token_path, encoding="ascii") as file:
+            seen: str | None = file.read()
+    except OSError:
+        seen = None
+    verdicts = all_gather_object(seen, group)
+    if rank == 0:
+        os.remove(token_path)
+    missing = [r for r, v in enumerate(verdicts) if v != verdicts[0]]
+    if missing:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"ranks {missing} do not see {staging!r}, which rank 0 created: a checkpoint saved "
+            "by several ranks needs a path on a filesystem shared by all of them (e.g. NFS or "
+            "Lustre); pass such a path"
+        )
 
 
 def _identity(tensor: torch.Tensor, dst: int) -> torch.Tensor:

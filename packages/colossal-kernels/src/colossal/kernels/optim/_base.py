@@ -329,7 +329,8 @@ class AdamBase(Optimizer):
         step). Only when compute on one core fewer would take clearly longer than the IO
         (by more than that cost) do all cores compute. The choice uses the previous step's
         measurements: the IO thread's CPU time (little when the device, not the CPU, is the
-        bottleneck) and the compute core-seconds (measured with a core left free).
+        bottleneck, as with ``O_DIRECT``, so then all cores compute) and the compute
+        core-seconds (measured with a core left free).
         """
         assert self._store is not None
         n = torch.get_num_threads()

@@ -73,14 +73,20 @@ def _timed(fn) -> float:
 
 
 def interleaved(fns: dict, reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, run round-robin."""
+    """Median seconds per call of each function, run round-robin.
+
+    The order rotates from one round to the next, so each function follows each other one
+    equally often (a virtual disk's speed depends on what ran just before).
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            times[k].append(_timed(fn))
+    keys = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for rep in range(reps):
+        shift = rep % len(keys)
+        for k in keys[shift:] + keys[:shift]:
+            times[k].append(_timed(fns[k]))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

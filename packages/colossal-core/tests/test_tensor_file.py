@@ -32,7 +32,7 @@ def test_round_trip_bytes_and_offsets(tmp_path, keep_open, dtype):
         out_a, out_b = torch.empty_like(a), torch.empty_like(b)
         assert io.read_into(path, out_a).result() == a.nbytes
         assert io.read_into(path, out_b, a.nbytes).result() == b.nbytes
-        assert io.cpu_seconds > 0.0 and io.busy_seconds > 0.0
+        assert io.cpu_seconds > 0.0
     assert torch.equal(out_a, a) and torch.equal(out_b, b)
     assert path.read_bytes() == bytes(a.view(torch.uint8).tolist() + b.view(torch.uint8).tolist())
 

@@ -165,7 +165,7 @@ def test_thread_choice_keeps_results_identical(tmp_path, monkeypatch, cost):
             grads = _grads(step)
             o1.step(grads=dict(zip(plain, grads, strict=False)))
             o2.step(grads=dict(zip(off, grads, strict=False)))
-        assert o2._store.io_cpu_seconds > 0.0 and o2._store.io_busy_seconds > 0.0
+        assert o2._store.io_cpu_seconds > 0.0
         o2.close()
     finally:
         torch.set_num_threads(threads)

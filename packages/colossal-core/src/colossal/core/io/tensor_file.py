@@ -61,24 +61,22 @@ __all__ = [
 
 
 class _TimedExecutor(concurrent.futures.ThreadPoolExecutor):
-    """A one-thread executor adding up the CPU and wall time its thread spends in calls."""
+    """A one-thread executor that adds up the CPU time its thread spends in submitted calls."""
 
     def __init__(self, name: str) -> None:
         super().__init__(max_workers=1, thread_name_prefix=f"{name}-io")
         self.cpu_seconds = 0.0
-        self.busy_seconds = 0.0
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
                ) -> concurrent.futures.Future[T]:
         return super().submit(self._timed, fn, *args, **kwargs)
 
     def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        start, wall = time.thread_time(), time.perf_counter()
+        start = time.thread_time()
         try:
             return fn(*args, **kwargs)
-        finally:  # the only worker thread adds to them
+        finally:  # the only worker thread adds to it
             self.cpu_seconds += time.thread_time() - start
-            self.busy_seconds += time.perf_counter() - wall
 
 
 def _check_tensor(tensor: object, what: str) -> torch.Tensor:
@@ -180,11 +178,6 @@ class TensorFileIO:
         time spent waiting for the device is not counted.
         """
         return self._executor.cpu_seconds
-
-    @property
-    def busy_seconds(self) -> float:
-        """Wall-clock seconds the IO thread spent in operations (CPU work and device waits)."""
-        return self._executor.busy_seconds
 
     @property
     def closed(self) -> bool:

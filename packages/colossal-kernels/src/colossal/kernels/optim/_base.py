@@ -109,7 +109,7 @@ class AdamBase(Optimizer):
         self._offload_keys: dict[torch.Tensor, int] = {}
         self._planned: set[torch.Tensor] = set()
         self._broken: str | None = None
-        self._io_mark = 0.0  # store.io_busy_seconds at the start of the last offloaded step
+        self._io_mark = 0.0  # store.io_cpu_seconds at the start of the last offloaded step
         self._compute_core_s: float | None = None  # last offloaded step's compute core-seconds
         if self.nvme_offload_fraction > 0.0:
             self._store = NVMeStateStore(nvme_offload_dir, direct_io=nvme_direct_io)
@@ -322,21 +322,23 @@ class AdamBase(Optimizer):
     def _offload_threads(self) -> int | None:
         """Compute threads for a step with offloaded state (``None``: all of them).
 
-        One IO thread moves the state: buffered IO is CPU work (copies to and from the page
-        cache), direct IO mostly waits for the device. When the IO would be the bottleneck
-        anyway, compute runs on one core fewer, so the IO thread never preempts an OpenMP
-        thread (an OpenMP region waits for its slowest thread; oversubscribing the 2
-        benchmark cores cost about 10 ms of an 80 ms buffered step) and issues the next
-        request as soon as one completes (about 5% of a direct step there). Only when
-        compute on one core fewer would take clearly longer than the IO (by more than that
-        cost) do all cores compute. The choice uses the previous step's measurements: the
-        IO thread's busy (wall) time and the compute core-seconds (measured with a core left
-        free).
+        Buffered file IO is CPU work (the kernel copies to and from the page cache) done by
+        one IO thread. When that thread would be the bottleneck anyway, compute runs on one
+        core fewer, so it never preempts an OpenMP thread (an OpenMP region waits for its
+        slowest thread; oversubscribing the 2 benchmark cores cost about 10 ms of an 80 ms
+        step). Only when compute on one core fewer would take clearly longer than the IO
+        (by more than that cost) do all cores compute. The choice uses the previous step's
+        measurements: the IO thread's CPU time (little when the device, not the CPU, is the
+        bottleneck, as with ``O_DIRECT``, so then all cores compute) and the compute
+        core-seconds (measured with a core left free). With direct IO on the 2-core benchmark
+        VM, all cores computing measured about 3% faster than leaving one to the IO thread
+        (the step waits for the device either way; finishing compute sooner shortens the
+        time it slows the virtual disk down).
         """
         assert self._store is not None
         n = torch.get_num_threads()
-        io_s = self._store.io_busy_seconds - self._io_mark
-        self._io_mark = self._store.io_busy_seconds
+        io_s = self._store.io_cpu_seconds - self._io_mark
+        self._io_mark = self._store.io_cpu_seconds
         if n < 2:
             return None
         core_s = self._compute_core_s

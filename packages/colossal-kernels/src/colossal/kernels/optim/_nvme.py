@@ -101,15 +101,6 @@ class NVMeStateStore:
         return self._io.cpu_seconds
 
     @property
-    def io_busy_seconds(self) -> float:
-        """Wall-clock seconds the IO thread spent in file calls so far.
-
-        CPU work and waits for the device, from
-        :attr:`colossal.core.io.TensorFileIO.busy_seconds`.
-        """
-        return self._io.busy_seconds
-
-    @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran (the files are gone)."""
         return self._closed

@@ -49,7 +49,6 @@ import torch  # noqa: E402
 
 from colossal.core.io import direct_io_supported, empty_aligned  # noqa: E402
 from colossal.kernels import REGISTRY, CPUAdam  # noqa: E402
-from colossal.kernels.optim._nvme import padded  # noqa: E402
 
 LOSS_SCALE = 1024.0
 BYTES_PER_PARAM = 2 + 8 + 8 + 8 + 2  # bf16 grad, fp32 param/m/v read+write, bf16 copy
@@ -149,38 +148,36 @@ def bench_adam(n: int, reps: int) -> tuple[list[dict], dict]:
     return rows, {"ratio": ratio, "ours_s": res["ours"], "stream_GBps": stream_bw / 1e9}
 
 
-def _disk_io(directory: str, sizes: list[int], direct: bool):
+def _disk_io(directory: str, unit_nbytes: list[int], direct: bool):
     """A function doing the file IO of one offloaded step, and a function that cleans up.
 
     The bound the offload is judged against: plain positional syscalls (``os.preadv`` /
-    ``os.pwritev`` on files kept open, one after the other on the calling thread) reading and
-    rewriting in place, for every offloaded param, a file holding its ``exp_avg`` and
-    ``exp_avg_sq``: the bytes the step must move, with no library in between, so a slower
-    store cannot raise its own bound. The files are opened the way the store opens them
-    (``O_DIRECT`` or buffered) and already exist (as for every step after the first); the
-    function is timed in the same round-robin as the steps so machine noise hits the bound and
-    the step alike. With ``O_DIRECT`` this is the device's bandwidth (about 1.1 GB/s read and
-    2.2 GB/s write on the 2-core benchmark VM); buffered, it is the page cache's (memory copies
-    on the CPU, about 10 GB/s read+write there).
+    ``os.pwritev`` on a file kept open, one after the other on the calling thread) reading
+    and rewriting in place every unit of the state file, with the store's unit sizes and
+    offsets: the bytes the step must move, with no library in between, so a slower store
+    cannot raise its own bound. The file is opened the way the store opens it (``O_DIRECT``
+    or buffered) and already exists (as for every step after the first); the function is
+    timed in the same round-robin as the steps so machine noise hits the bound and the step
+    alike. With ``O_DIRECT`` this is the device's bandwidth (about 1.1-2 GB/s read and
+    2.2-3.5 GB/s write on the 2-core benchmark VM, varying with its host); buffered, it is
+    the page cache's (memory copies on the CPU, about 10 GB/s read+write there).
     """
     folder = tempfile.mkdtemp(prefix="colossal-disk-", dir=directory)
-    bufs = [empty_aligned(padded(2 * s)).normal_() for s in sizes]
+    bufs = [empty_aligned(n // 4).normal_() for n in unit_nbytes]
     views = [memoryview(b.numpy()).cast("B") for b in bufs]
+    offsets = [sum(unit_nbytes[:i]) for i in range(len(unit_nbytes))]
     flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
-    fds = []
-    for i, v in enumerate(views):  # create the files (untimed, like the first step)
-        fd = os.open(os.path.join(folder, f"state-{i}.bin"), flags, 0o600)
-        os.pwritev(fd, [v], 0)
-        fds.append(fd)
+    fd = os.open(os.path.join(folder, "state.bin"), flags, 0o600)
+    for v, offset in zip(views, offsets, strict=True):  # create it (untimed, like step 1)
+        os.pwritev(fd, [v], offset)
 
     def step_io() -> None:
-        for fd, v in zip(fds, views, strict=True):
-            os.preadv(fd, [v], 0)
-            os.pwritev(fd, [v], 0)
+        for v, offset in zip(views, offsets, strict=True):
+            os.preadv(fd, [v], offset)
+            os.pwritev(fd, [v], offset)
 
     def close() -> None:
-        for fd in fds:
-            os.close(fd)
+        os.close(fd)
         shutil.rmtree(folder, ignore_errors=True)
 
     return step_io, close
@@ -234,8 +231,8 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
         opt, o_params = make(fraction, mode == "direct")
         plain.step(div_scale=LOSS_SCALE)  # the same number of steps (bit-identical check)
         off_step(opt)  # the first step picks the offloaded params and creates their files
-        sizes = [p.numel() for p in opt.offloaded_params]
-        disk_io, disk_close = _disk_io(directory, sizes, mode == "direct")
+        unit_nbytes = [u.nbytes for u in opt._store.layout.units]
+        disk_io, disk_close = _disk_io(directory, unit_nbytes, mode == "direct")
         side = concurrent.futures.ThreadPoolExecutor(1)
         floor_step = functools.partial(make(0.0)[0].step, div_scale=LOSS_SCALE)
         try:
@@ -247,7 +244,7 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
             side.shutdown()
             disk_close()
             opt.close()
-        moved = 2 * 8 * sum(sizes)  # read + write of exp_avg and exp_avg_sq
+        moved = 2 * sum(unit_nbytes)  # read + write of every unit
         identical = all(torch.equal(a, b) for a, b in zip(p_params, o_params, strict=False))
         bound = max(res["compute"], res["disk"])
         ratio = res["offload"] / bound

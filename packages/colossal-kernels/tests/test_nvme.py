@@ -32,12 +32,14 @@ def _files(opt):
     return sorted(os.listdir(opt._store.directory))
 
 
+@pytest.mark.parametrize("unit", [None, 2048])  # all in one unit / params split and packed
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("impl", ["cpp", "torch"])
 @pytest.mark.parametrize("cls", [CPUAdam, HybridAdam])
-def test_offload_is_bit_identical(tmp_path, impl, cls, direct):
+def test_offload_is_bit_identical(tmp_path, monkeypatch, impl, cls, direct, unit):
     if direct and not direct_io_supported(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    monkeypatch.setattr(_nvme, "UNIT_NUMEL", unit or _nvme.UNIT_NUMEL)
     plain, off = _params(), _params()
     o1 = cls(plain, lr=1e-2, weight_decay=0.1)
     o2 = cls(off, lr=1e-2, weight_decay=0.1, nvme_offload_fraction=0.5,
@@ -55,7 +57,11 @@ def test_offload_is_bit_identical(tmp_path, impl, cls, direct):
     assert 0.3 * sum(SIZES) <= numel <= 0.7 * sum(SIZES)
     for p in offloaded:
         assert "exp_avg" not in o2.state[p]  # really not in memory
-    assert len(_files(o2)) == len(offloaded)
+    assert _files(o2) == ["state.bin"]
+    layout = o2._store.layout
+    assert os.path.getsize(o2._store.path) == layout.file_nbytes
+    assert all(u.numel <= layout.capacity for u in layout.units)
+    assert len(layout.units) >= (1 if unit is None else 2 * numel // 2048)
     for a, b, c in zip(plain, off, copies, strict=False):
         assert torch.equal(a, b)
         assert torch.equal(c, b.detach().bfloat16())
@@ -100,20 +106,10 @@ def test_files_removed_after_error(tmp_path, monkeypatch):
     opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
     opt.step(grads=dict(zip(params, _grads(0), strict=False)))
     assert _files(opt)
-    calls = {"n": 0}
-    real = opt._kernel_for
+    def blow_up(*args, **kwargs):
+        raise RuntimeError("kernel blew up")
 
-    def flaky(device):
-        fn = real(device)
-
-        def wrapped(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 3:  # fail inside the offload pipeline
-                raise RuntimeError("kernel blew up")
-            return fn(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(opt, "_kernel_for", flaky)
+    monkeypatch.setattr(opt, "_update_unit", blow_up)  # fail inside the offload pipeline
     with pytest.raises(RuntimeError, match="kernel blew up"):
         opt.step(grads=dict(zip(params, _grads(1), strict=False)))
     assert os.listdir(tmp_path) == []
@@ -165,6 +161,7 @@ def test_thread_choice_keeps_results_identical(tmp_path, monkeypatch, cost):
             grads = _grads(step)
             o1.step(grads=dict(zip(plain, grads, strict=False)))
             o2.step(grads=dict(zip(off, grads, strict=False)))
+            o2._store.flush()  # the step's write-back is measured before the next choice
         assert o2._store.io_cpu_seconds > 0.0
         o2.close()
     finally:
@@ -187,7 +184,8 @@ def test_io_goes_through_core_tensor_file_io_and_errors_propagate(tmp_path):
     files = _files(opt)
     assert files
     with open(os.path.join(opt._store.directory, files[0]), "r+b") as fh:
-        fh.truncate(12)  # a state file lost its tail
+        fh.truncate(12)  # the state file lost its tail
+    opt._store.take_prefetched(opt._store.layout.units[:2])  # step 1 must read the file
     with pytest.raises(ValueError, match="truncated"):
         opt.step(grads=dict(zip(params, _grads(1), strict=False)))
     assert os.listdir(tmp_path) == []  # removed after the error
@@ -197,11 +195,13 @@ def test_io_goes_through_core_tensor_file_io_and_errors_propagate(tmp_path):
 def test_direct_io_is_the_default_where_supported_and_required_on_request(tmp_path, monkeypatch):
     store = _nvme.NVMeStateStore(tmp_path)
     assert store.direct_io is direct_io_supported(store.directory)
-    # records are padded to whole blocks; a state round-trips whatever its size
-    state = torch.randn(1001)
-    store.write(0, state[:500], state[500:])
-    assert torch.equal(store.read(0, 1001), state)
-    assert os.path.getsize(store.path(0)) == 4 * _nvme.padded(1001) == 4096
+    # a state round-trips whatever its size; the unit is padded to whole blocks
+    exp_avg, exp_avg_sq = torch.randn(1001), torch.randn(1001)
+    store.add(0, 1001)
+    store.write_states({0: (exp_avg, exp_avg_sq)})
+    got = store.read_states([0])[0]
+    assert torch.equal(got[0], exp_avg) and torch.equal(got[1], exp_avg_sq)
+    assert os.path.getsize(store.path) == store.layout.file_nbytes == 8192
     store.close()
     monkeypatch.setattr(_nvme, "direct_io_supported", lambda directory: False)
     fallback = _nvme.NVMeStateStore(tmp_path)
@@ -252,3 +252,68 @@ def test_direct_io_keeps_the_state_out_of_memory(tmp_path, direct):
         assert resident == 0
     else:
         assert resident > 0
+
+
+def test_late_grads_and_bounded_buffers(tmp_path, monkeypatch):
+    """Params first stepped in a later step (their units read as zeros, or hold pieces of
+    params without grads that must survive), with units far smaller than the largest param:
+    still bit-identical, and the ring buffers hold units, not whole params."""
+    monkeypatch.setattr(_nvme, "UNIT_NUMEL", 2048)
+    plain, off = _params(), _params()
+    o1 = CPUAdam(plain, lr=1e-2, weight_decay=0.1)
+    o2 = CPUAdam(off, lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path),
+                 weight_decay=0.1)
+    for step in range(5):
+        grads = _grads(step)
+        late = {1: 2, 3: 1, 4: 3}  # param index -> first step with a grad
+        keep = [i for i in range(len(SIZES)) if step >= late.get(i, 0)]
+        o1.step(grads={plain[i]: grads[i] for i in keep})
+        o2.step(grads={off[i]: grads[i] for i in keep})
+    for a, b in zip(plain, off, strict=True):
+        assert torch.equal(a, b)
+    sd1, sd2 = o1.state_dict(), o2.state_dict()
+    for i in sd1["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(sd1["state"][i][key]),
+                               torch.as_tensor(sd2["state"][i][key]))
+    buffers = o2._store._buffers
+    assert buffers and all(b.numel() == 2048 for b in buffers)
+    assert 2 * max(SIZES) > 3 * 2048  # a whole-param ring would have been much larger
+    o2.close()
+
+
+def test_next_steps_first_units_are_read_ahead(tmp_path, monkeypatch):
+    """After a step, the first units are read again behind its writes; the next step starts
+    with them (no new read), and results stay identical, also when a load in between makes
+    them stale."""
+    monkeypatch.setattr(_nvme, "UNIT_NUMEL", 2048)
+    plain, off = _params(), _params()
+    o1 = CPUAdam(plain, lr=1e-2)
+    o2 = CPUAdam(off, lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    reads: list[int] = []
+    real_read = o2._store._io.read_into
+
+    def counting(path, out, offset=0, **kwargs):
+        reads.append(offset)
+        return real_read(path, out, offset, **kwargs)
+
+    monkeypatch.setattr(o2._store._io, "read_into", counting)
+    for step in range(4):
+        grads = _grads(step)
+        o1.step(grads=dict(zip(plain, grads, strict=False)))
+        before = len(reads)
+        o2.step(grads=dict(zip(off, grads, strict=False)))
+        units = o2._store.layout.units
+        if step == 0:  # nothing to read yet; then the first 2 units are read for step 1
+            assert reads == [u.offset for u in units[:2]]
+        else:  # the prefetched units are not read again; the rest, then the next 2
+            assert reads[before:] == [u.offset for u in units[2:]] + [u.offset for u in units[:2]]
+        if step == 1:  # a load rewrites the file: the read-ahead is dropped, not used
+            o2.load_state_dict(o1.state_dict())
+            reads.clear()
+            o2.step(grads=dict(zip(off, _grads(9), strict=False)))
+            o1.step(grads=dict(zip(plain, _grads(9), strict=False)))
+            assert reads[: len(units)] == [u.offset for u in units]
+    for a, b in zip(plain, off, strict=True):
+        assert torch.equal(a, b)
+    o2.close()

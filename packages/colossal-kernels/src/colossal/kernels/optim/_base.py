@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from colossal.core.logging import get_logger
 from colossal.kernels.optim._functional import AdamHyper, check_adam_tensors
-from colossal.kernels.optim._nvme import NVMeStateStore, StatePipeline
+from colossal.kernels.optim._nvme import NVMeStateStore, StatePipeline, piece_views
+from colossal.kernels.optim._nvme_layout import Unit
 
 logger = get_logger(__name__)
 
@@ -250,7 +251,10 @@ class AdamBase(Optimizer):
                 if device.type != "cpu":
                     self._update(device, hyper, entries)
             cpu_batches = [(h, d, es) for h, d, es in batches if d.type == "cpu"]
-            slices = _split_by_numel(cpu_batches, len(offloaded) + 1)
+            by_key = {self._offload_keys[e.param]: (h, e) for h, e in offloaded}
+            assert self._store is not None
+            units = list(self._store.layout.units_of(set(by_key)))
+            slices = _split_by_numel(cpu_batches, len(units) + 1)
             cpu = torch.device("cpu")
             threads = self._offload_threads()
             started = time.perf_counter()
@@ -260,12 +264,13 @@ class AdamBase(Optimizer):
                     self._update(cpu, hyper, entries, threads)
 
             kernel = self._kernel_for(cpu)
-            pipeline = self._start_offloaded(offloaded, run_slice)
-            for i, exp_avg, exp_avg_sq in pipeline:
-                hyper, e = offloaded[i]
-                kernel([e.param], [e.grad], [exp_avg], [exp_avg_sq], [e.copy],
-                       [e.state["step"]], hyper, num_threads=threads)
-            run_slice(len(offloaded))
+            for _, e in offloaded:
+                self._init_state(e)
+                e.state["step"] = int(e.state["step"]) + 1
+            pipeline = StatePipeline(self._store, units, before_wait=run_slice)
+            for _, unit, buf in pipeline:
+                self._update_unit(kernel, unit, buf, by_key, threads)
+            run_slice(len(units))
             if threads is not None:  # compute alone on its cores: a clean measurement
                 busy = time.perf_counter() - started - pipeline.waited
                 self._compute_core_s = busy * threads
@@ -287,6 +292,29 @@ class AdamBase(Optimizer):
                 num_threads=num_threads,
             )
 
+    @staticmethod
+    def _update_unit(kernel: AdamFn, unit: Unit, buf: torch.Tensor,
+                     by_key: Mapping[int, tuple[AdamHyper, _Entry]], threads: int | None) -> None:
+        """Update the pieces of ``unit`` (loaded in ``buf``) whose params have grads."""
+        runs: list[tuple[AdamHyper, list[list[Any]]]] = []  # one kernel call per hyper run
+        for piece in unit.pieces:
+            if piece.key not in by_key:
+                continue
+            hyper, e = by_key[piece.key]
+            if not runs or runs[-1][0] is not hyper:
+                runs.append((hyper, [[], [], [], [], [], []]))
+            lo, hi = piece.start, piece.stop
+            exp_avg, exp_avg_sq = piece_views(buf, piece)
+            args = runs[-1][1]
+            args[0].append(e.param.view(-1)[lo:hi])
+            args[1].append(e.grad[lo:hi])
+            args[2].append(exp_avg)
+            args[3].append(exp_avg_sq)
+            args[4].append(None if e.copy is None else e.copy.view(-1)[lo:hi])
+            args[5].append(e.state["step"])
+        for hyper, args in runs:
+            kernel(*args, hyper, num_threads=threads)
+
     def _init_state(self, entry: _Entry) -> None:
         state = entry.state
         if "step" not in state:
@@ -307,15 +335,18 @@ class AdamBase(Optimizer):
             return
         target = self.nvme_offload_fraction * sum(p.numel() for p in new)
         chosen = 0
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in new:
             self._planned.add(p)
             if chosen + p.numel() / 2 <= target:
                 chosen += p.numel()
-                self._offload_keys[p] = len(self._offload_keys)
+                key = self._offload_keys[p] = len(self._offload_keys)
+                self._store.add(key, p.numel())
                 state = self.state.get(p)
                 if state and "exp_avg" in state:  # state created before planning: move it
-                    self._store.write(self._offload_keys[p], state.pop("exp_avg"),
-                                      state.pop("exp_avg_sq"))
+                    moved[key] = (state.pop("exp_avg"), state.pop("exp_avg_sq"))
+        if moved:
+            self._store.write_states(moved)
         logger.debug("NVMe offload: %d of %d params (%d elements)", len(self._offload_keys),
                      len(new), chosen)
 
@@ -346,15 +377,6 @@ class AdamBase(Optimizer):
             return n - 1
         return None
 
-    def _start_offloaded(self, offloaded: list[tuple[AdamHyper, _Entry]],
-                         before_wait: Callable[[int], None]) -> StatePipeline:
-        assert self._store is not None
-        for _, e in offloaded:
-            self._init_state(e)
-            e.state["step"] = int(e.state["step"]) + 1
-        items = [(self._offload_keys[e.param], e.param.numel()) for _, e in offloaded]
-        return StatePipeline(self._store, items, before_wait=before_wait)
-
     @property
     def offloaded_params(self) -> list[torch.Tensor]:
         """Params whose optimizer state lives on disk."""
@@ -379,18 +401,15 @@ class AdamBase(Optimizer):
         if not self._offload_keys:
             return sd
         assert self._store is not None
-        self._store.flush()
+        keys = {p: k for p, k in self._offload_keys.items() if "step" in self.state.get(p, {})}
+        states = self._store.read_states(list(keys.values()))
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                key = self._offload_keys.get(p)
-                if key is not None and "step" in self.state.get(p, {}):
-                    both = self._store.read(key, 2 * p.numel())
-                    sd["state"][index] = {
-                        **sd["state"][index],
-                        "exp_avg": both[: p.numel()].view_as(p).clone(),
-                        "exp_avg_sq": both[p.numel():].view_as(p).clone(),
-                    }
+                if p in keys:
+                    exp_avg, exp_avg_sq = states[keys[p]]
+                    sd["state"][index] = {**sd["state"][index], "exp_avg": exp_avg.view_as(p),
+                                          "exp_avg_sq": exp_avg_sq.view_as(p)}
                 index += 1
         return sd
 
@@ -399,8 +418,9 @@ class AdamBase(Optimizer):
         super().load_state_dict(state_dict)
         if self._store is None:
             return
-        self._store.flush()
+        moved = {}
         for p, key in self._offload_keys.items():
             state = self.state.get(p)
             if state and "exp_avg" in state:
-                self._store.write(key, state.pop("exp_avg"), state.pop("exp_avg_sq"))
+                moved[key] = (state.pop("exp_avg"), state.pop("exp_avg_sq"))
+        self._store.write_states(moved)

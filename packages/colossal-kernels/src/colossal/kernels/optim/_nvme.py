@@ -1,48 +1,47 @@
-"""Optimizer state kept in files, read ahead and written back in the background.
+"""Optimizer state kept in a file, read ahead and written back in the background.
 
-Each offloaded parameter has one file holding its ``exp_avg`` and ``exp_avg_sq`` back to back
-(fp32, padded to whole :data:`~colossal.core.io.ALIGNMENT` blocks). When the filesystem allows
-it the files are opened with ``O_DIRECT``: the state moves between RAM and the device by DMA,
-so it really leaves memory (not parked in the page cache) and the IO costs almost no CPU time,
-leaving the cores to the Adam kernel. Buffered IO (the fallback) copies every byte through the
-page cache on the CPU, which competes with the update on a machine with few cores. During a
-step, :class:`StatePipeline` reads the states of the next few offloaded
-params into a small ring of reusable buffers while the current one updates, and writes each
-updated state back as soon as its update is done. The file IO goes through core's aiofiles
-tensor IO (:class:`colossal.core.io.TensorFileIO`), which runs operations in submission
-order on one IO thread, so a buffer is never refilled before its previous contents are
-written out and a file is never read before its last write finished. Files stay open
-between steps and are read into / written from the buffers' memory without copies.
+The offloaded params' ``exp_avg`` and ``exp_avg_sq`` (fp32) live in one file, laid out in
+units of about the same size (:mod:`._nvme_layout`); each unit is read and written by one IO
+call. When the filesystem allows it the file is opened with ``O_DIRECT``: the state moves
+between RAM and the device by DMA, so it really leaves memory (not parked in the page cache)
+and the IO costs almost no CPU time, leaving the cores to the Adam kernel. Buffered IO (the
+fallback) copies every byte through the page cache on the CPU, which competes with the update
+on a machine with few cores. During a step, :class:`StatePipeline` reads the next few units
+into a small ring of reusable buffers while the current one updates, and writes each updated
+unit back as soon as its update is done. The file IO goes through core's aiofiles tensor IO
+(:class:`colossal.core.io.TensorFileIO`), which runs operations in submission order on one IO
+thread, so a buffer is never refilled before its previous contents are written out and a unit
+is never read before its last write finished. The file stays open between steps and is read
+into / written from the buffers' memory without copies.
 
-The files live in a fresh temporary directory that is removed by :meth:`NVMeStateStore.close`,
+The file lives in a fresh temporary directory that is removed by :meth:`NVMeStateStore.close`,
 when the store is garbage-collected, and at interpreter exit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from colossal.core.io import ALIGNMENT, TensorFileIO, direct_io_supported, empty_aligned
+from colossal.core.io import TensorFileIO, direct_io_supported, empty_aligned
 from colossal.core.logging import get_logger
+from colossal.kernels.optim._nvme_layout import Piece, StateLayout, Unit, padded
 
 logger = get_logger(__name__)
 
-_BLOCK = ALIGNMENT // 4  # fp32 elements per alignment block
+UNIT_NUMEL = 8 * 1024 * 1024
+"""Default fp32 values per unit (32 MiB: ``exp_avg`` and ``exp_avg_sq`` of 4Mi elements)."""
 
-
-def padded(numel: int) -> int:
-    """``numel`` fp32 elements rounded up to whole alignment blocks (a file record's size)."""
-    return -(-numel // _BLOCK) * _BLOCK
+States = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
+Read = concurrent.futures.Future[Any] | None  # None: a unit never written (zeros)
 
 
 def _cleanup(directory: str, io: TensorFileIO) -> None:
@@ -51,13 +50,15 @@ def _cleanup(directory: str, io: TensorFileIO) -> None:
 
 
 class NVMeStateStore:
-    """Files holding offloaded optimizer states, with asynchronous reads and writes.
+    """A file holding offloaded optimizer states, with asynchronous unit reads and writes.
 
     Args:
         directory: Parent directory of the temporary directory (``None``: the system temp
             directory). Created if missing.
         direct_io: Bypass the page cache with ``O_DIRECT``: ``None`` when the filesystem
             supports it, ``True`` to require it, ``False`` for buffered IO.
+        unit_numel: fp32 values per unit (one IO call; the ring buffers hold a few units);
+            ``None``: :data:`UNIT_NUMEL`.
 
     Raises:
         ValueError: ``directory`` exists and is not a directory, or ``direct_io=True`` and
@@ -65,7 +66,7 @@ class NVMeStateStore:
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None,
-                 direct_io: bool | None = None) -> None:
+                 direct_io: bool | None = None, unit_numel: int | None = None) -> None:
         if directory is not None:
             directory = os.fspath(directory)
             if os.path.exists(directory) and not os.path.isdir(directory):
@@ -74,6 +75,7 @@ class NVMeStateStore:
                     "the fast local disk (or None for the system temp directory)"
                 )
             os.makedirs(directory, exist_ok=True)
+        self.layout = StateLayout(unit_numel or UNIT_NUMEL)
         self.directory = tempfile.mkdtemp(prefix="colossal-nvme-", dir=directory)
         supported = direct_io_supported(self.directory)
         if direct_io and not supported:
@@ -84,9 +86,11 @@ class NVMeStateStore:
                 "local disk"
             )
         self.direct_io = supported if direct_io is None else bool(direct_io)
+        self.path = os.path.join(self.directory, "state.bin")
         self._io = TensorFileIO(keep_open=True, name="colossal-nvme", direct_io=self.direct_io)
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._buffers: list[torch.Tensor] = []
+        self._prefetch: tuple[tuple[int, ...], list[Read]] | None = None
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self.directory, self._io)
 
@@ -102,59 +106,103 @@ class NVMeStateStore:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran (the files are gone)."""
+        """Whether :meth:`close` ran (the file is gone)."""
         return self._closed
 
-    def path(self, key: int) -> str:
-        """File holding the states with key ``key``."""
-        return os.path.join(self.directory, f"state-{key}.bin")
+    def add(self, key: int, numel: int) -> None:
+        """Give param ``key`` (``numel`` elements) a place in the file; its state reads as 0."""
+        self._prefetch = None  # the buffers may grow
+        self.layout.add(key, numel)
 
-    def _track(self, submit: Callable[..., concurrent.futures.Future[Any]], *args: Any
-               ) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise RuntimeError("the NVMe state store is closed; its files were removed")
-        future = submit(*args)
+    def set_prefetched(self, units: Sequence[Unit], reads: list[Read]) -> None:
+        """Record reads of ``units`` into buffer slots 0, 1, ... queued for the next step."""
+        self._prefetch = (tuple(id(u) for u in units), reads)
+
+    def take_prefetched(self, units: Sequence[Unit]) -> list[Read] | None:
+        """The reads recorded by :meth:`set_prefetched` if they are of ``units``, else None."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch and prefetch[0] == tuple(id(u) for u in units):
+            return prefetch[1]
+        return None
+
+    def _track(self, future: concurrent.futures.Future[Any]) -> concurrent.futures.Future[Any]:
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
         self._pending.append(future)
         return future
 
-    def read_async(self, key: int, out: torch.Tensor) -> concurrent.futures.Future[Any]:
-        """Fill ``out`` from the file of ``key`` (zeros if never written) in the background.
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the NVMe state store is closed; its file was removed")
 
-        ``out`` comes from :meth:`buffers` (or :func:`~colossal.core.io.empty_aligned`) and has
-        :func:`padded` elements.
+    def read_async(self, unit: Unit, out: torch.Tensor) -> concurrent.futures.Future[Any] | None:
+        """Fill ``out`` (aligned, ``padded(unit.numel)`` values) with ``unit`` in the background.
+
+        Returns ``None`` for a unit never written: there is nothing to read, its state is
+        zeros (the caller fills them in, after any write still using ``out``).
         """
-        return self._track(functools.partial(self._io.read_into, missing_ok=True),
-                           self.path(key), out)
+        self._check_open()
+        if not unit.written:
+            return None
+        return self._track(self._io.read_into(self.path, out, unit.offset))
 
-    def write_async(self, key: int, src: torch.Tensor) -> concurrent.futures.Future[Any]:
-        """Write ``src`` (aligned and padded as for :meth:`read_async`) to ``key``'s file."""
-        return self._track(self._io.write_from, self.path(key), src)
+    def read(self, unit: Unit, out: torch.Tensor) -> None:
+        """:meth:`read_async` and wait (zeros for a unit never written)."""
+        future = self.read_async(unit, out)
+        if future is None:
+            out.zero_()
+        else:
+            future.result()
 
-    def read(self, key: int, numel: int) -> torch.Tensor:
-        """A new fp32 tensor of ``numel`` elements with the contents of ``key``'s file."""
-        out = empty_aligned(padded(numel))
-        self.read_async(key, out).result()
-        return out[:numel]
+    def write_async(self, unit: Unit, src: torch.Tensor) -> concurrent.futures.Future[Any]:
+        """Write ``src`` (aligned, ``padded(unit.numel)`` values) as ``unit``, in the background.
 
-    def write(self, key: int, *parts: torch.Tensor) -> None:
-        """Write ``parts`` (CPU tensors, converted to fp32) back to back to ``key``'s file."""
-        numel = sum(t.numel() for t in parts)
-        staged = empty_aligned(padded(numel))
-        start = 0
-        for t in parts:
-            staged[start : start + t.numel()].copy_(t.reshape(-1))
-            start += t.numel()
-        staged[numel:].zero_()
-        self.write_async(key, staged).result()
+        Operations run in submission order, so a read submitted after this sees the data.
+        """
+        self._check_open()
+        unit.written = True
+        return self._track(self._io.write_from(self.path, src, unit.offset))
 
-    def buffers(self, numel: int, count: int) -> list[torch.Tensor]:
-        """``count`` reusable aligned fp32 buffers of at least ``padded(numel)`` elements."""
-        numel = padded(numel)
+    def buffers(self, count: int) -> list[torch.Tensor]:
+        """``count`` reusable aligned fp32 buffers, each large enough for any unit."""
+        numel = max((padded(u.numel) for u in self.layout.units), default=0)
         if len(self._buffers) < count or self._buffers[0].numel() < numel:
             self.flush()
             self._buffers = [empty_aligned(numel) for _ in range(count)]
         return self._buffers[:count]
+
+    def read_states(self, keys: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{key: (exp_avg, exp_avg_sq)}`` (new flat fp32 tensors) of params ``keys``."""
+        self.flush()
+        states = {k: (torch.empty(self._numel(k)), torch.empty(self._numel(k))) for k in keys}
+        buf = empty_aligned(self.layout.capacity)
+        for unit in self.layout.units_of(set(keys)):
+            self.read(unit, buf[: padded(unit.numel)])
+            for piece in unit.pieces:
+                if piece.key in states:
+                    exp_avg, exp_avg_sq = states[piece.key]
+                    m, v = piece_views(buf, piece)
+                    exp_avg[piece.start : piece.stop] = m
+                    exp_avg_sq[piece.start : piece.stop] = v
+        return states
+
+    def write_states(self, states: States) -> None:
+        """Store ``{key: (exp_avg, exp_avg_sq)}`` (any float CPU tensors) and wait."""
+        self._prefetch = None  # what it read is stale now
+        self.flush()
+        buf = empty_aligned(self.layout.capacity)
+        for unit in self.layout.units_of(set(states)):
+            view = buf[: padded(unit.numel)]
+            self.read(unit, view)
+            for piece in unit.pieces:
+                if piece.key in states:
+                    m, v = piece_views(buf, piece)
+                    exp_avg, exp_avg_sq = states[piece.key]
+                    m.copy_(exp_avg.reshape(-1)[piece.start : piece.stop])
+                    v.copy_(exp_avg_sq.reshape(-1)[piece.start : piece.stop])
+            self.write_async(unit, view).result()
+
+    def _numel(self, key: int) -> int:
+        return self.layout.pieces(key)[-1][1].stop
 
     def flush(self) -> None:
         """Wait for every queued read and write; re-raise the first IO error."""
@@ -163,7 +211,7 @@ class NVMeStateStore:
             future.result()
 
     def close(self) -> None:
-        """Wait for queued IO (errors are logged), then delete the files. Idempotent."""
+        """Wait for queued IO (errors are logged), then delete the file. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -174,53 +222,75 @@ class NVMeStateStore:
                 logger.warning("NVMe state IO failed while closing: %s", exc)
         self._pending = []
         self._buffers = []
+        self._prefetch = None
         self._finalizer()
 
 
-class StatePipeline:
-    """Streams the offloaded states of one step through a ring of buffers.
+def piece_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exp_avg, exp_avg_sq)`` of ``piece`` inside its unit's buffer ``buf``."""
+    mid = piece.offset + piece.numel
+    return buf[piece.offset : mid], buf[mid : mid + piece.numel]
 
-    Reads for the first ``depth`` items are queued on construction, so they overlap whatever
-    the caller computes before iterating. Iterating yields ``(index, exp_avg, exp_avg_sq)``
-    with the item's states loaded; when the caller asks for the next item, the previous one's
-    states are queued for writing and the read ``depth`` items ahead is queued.
+
+class StatePipeline:
+    """Streams the units of one step through a ring of buffers.
+
+    Reads for the first ``depth`` units are queued on construction, so they overlap whatever
+    the caller computes before iterating. Iterating yields ``(index, unit, buffer)`` with the
+    unit loaded; when the caller asks for the next unit, the previous one is queued for
+    writing and the read ``depth`` units ahead is queued. After the last unit, the first
+    ``depth - 1`` units are read again for the next step (behind this step's writes, so they
+    see the updates): that IO overlaps the next forward and backward, and the next pipeline
+    over the same units starts with them loaded.
 
     Args:
-        store: The store holding the files.
-        items: ``(key, numel)`` per offloaded param, in update order.
+        store: The store holding the file.
+        units: The units to update, in file order.
         depth: Number of buffers (reads in flight).
-        before_wait: Called with ``i`` before waiting for item ``i``'s read (the caller
+        before_wait: Called with ``i`` before waiting for unit ``i``'s read (the caller
             interleaves in-memory updates there so they overlap the IO).
     """
 
-    def __init__(self, store: NVMeStateStore, items: Sequence[tuple[int, int]],
-                 depth: int = 3, before_wait: Callable[[int], None] | None = None) -> None:
+    def __init__(self, store: NVMeStateStore, units: Sequence[Unit], depth: int = 3,
+                 before_wait: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.before_wait = before_wait
-        self.items = list(items)
-        self.depth = max(1, min(depth, len(self.items)))
-        largest = max((n for _, n in self.items), default=0)
-        self._slots = store.buffers(2 * largest, self.depth) if self.items else []
-        self._reads: dict[int, concurrent.futures.Future[Any]] = {}
+        self.units = list(units)
+        self.depth = max(1, min(depth, len(self.units)))
+        self._slots = store.buffers(self.depth) if self.units else []
+        self._reads: dict[int, Read] = {}
         self.waited = 0.0  # seconds the iteration blocked on reads
-        for i in range(self.depth):
+        # The last step read the first depth - 1 units ahead (one slot stays free, so the IO
+        # thread has the next read to do at once).
+        prefetched = store.take_prefetched(self.units[: self.depth - 1])
+        self._reads = dict(enumerate(prefetched or []))
+        for i in range(len(self._reads), self.depth):
             self._queue_read(i)
 
     def _buffer(self, i: int) -> torch.Tensor:
-        return self._slots[i % self.depth][: padded(2 * self.items[i][1])]
+        return self._slots[i % self.depth][: padded(self.units[i].numel)]
 
     def _queue_read(self, i: int) -> None:
-        if i < len(self.items):
-            self._reads[i] = self.store.read_async(self.items[i][0], self._buffer(i))
+        if i < len(self.units):
+            self._reads[i] = self.store.read_async(self.units[i], self._buffer(i))
 
-    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        for i, (key, numel) in enumerate(self.items):
+    def __iter__(self) -> Iterator[tuple[int, Unit, torch.Tensor]]:
+        for i, unit in enumerate(self.units):
             if self.before_wait is not None:
                 self.before_wait(i)  # in-memory work that overlaps the read
             start = time.perf_counter()
-            self._reads.pop(i).result()
-            self.waited += time.perf_counter() - start
+            read = self._reads.pop(i)
             buf = self._buffer(i)
-            yield i, buf[:numel], buf[numel : 2 * numel]
-            self.store.write_async(key, buf)
+            if read is not None:
+                read.result()
+            else:  # never written: zeros, once queued writes (of any step) are done with buf
+                self.store.flush()
+                buf.zero_()
+            self.waited += time.perf_counter() - start
+            yield i, unit, buf
+            self.store.write_async(unit, buf)
             self._queue_read(i + self.depth)
+        ahead = self.units[: self.depth - 1]
+        self.store.set_prefetched(
+            ahead, [self.store.read_async(u, self._buffer(i)) for i, u in enumerate(ahead)]
+        )

@@ -167,6 +167,7 @@ class NVMeStateStore:
         numel = max((padded(u.numel) for u in self.layout.units), default=0)
         if len(self._buffers) < count or self._buffers[0].numel() < numel:
             self.flush()
+            self._prefetch = None  # it read into the old buffers
             self._buffers = [empty_aligned(numel) for _ in range(count)]
         return self._buffers[:count]
 

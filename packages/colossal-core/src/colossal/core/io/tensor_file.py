@@ -210,11 +210,8 @@ class TensorFileIO:
                 (with ``direct_io``) they are not aligned.
             RuntimeError: The object is closed.
         """
-        out = _check_tensor(out, "out")
-        if self._direct:
-            _check_aligned(out, _check_offset(offset), "out")
-        return self._submit(self._read, os.fsdecode(path), out, _check_offset(offset),
-                            bool(missing_ok))
+        out, offset = self._check_operand(out, offset, "out")
+        return self._submit(self._read, os.fsdecode(path), out, offset, bool(missing_ok))
 
     def write_from(self, path: str | os.PathLike[str], src: torch.Tensor, offset: int = 0
                    ) -> concurrent.futures.Future[int]:
@@ -233,10 +230,8 @@ class TensorFileIO:
                 (with ``direct_io``) they are not aligned.
             RuntimeError: The object is closed.
         """
-        src = _check_tensor(src, "src")
-        if self._direct:
-            _check_aligned(src, _check_offset(offset), "src")
-        return self._submit(self._write, os.fsdecode(path), src, _check_offset(offset))
+        src, offset = self._check_operand(src, offset, "src")
+        return self._submit(self._write, os.fsdecode(path), src, offset)
 
     def release(self, path: str | os.PathLike[str]) -> concurrent.futures.Future[None]:
         """Close the kept-open file ``path`` (after the operations submitted before)."""
@@ -260,6 +255,13 @@ class TensorFileIO:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close(wait=True)
+
+    def _check_operand(self, tensor: object, offset: object, what: str) -> tuple[torch.Tensor, int]:
+        """The validated tensor and offset of a read or write (aligned with ``direct_io``)."""
+        checked, position = _check_tensor(tensor, what), _check_offset(offset)
+        if self._direct:
+            _check_aligned(checked, position, what)
+        return checked, position
 
     # ---- on the loop thread -----------------------------------------------------------------
     def _submit(self, job: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:

@@ -120,3 +120,18 @@ def full_state(model: Any, booster: Booster) -> dict[str, torch.Tensor]:
     io = booster.checkpoint_io
     state = io.model_state(model)
     return {k: io.to_full(v).detach().float().cpu() for k, v in state.items()}
+
+
+def tiny_gpt2_config() -> Any:
+    """A 2-layer, 32-wide GPT-2 config (needs transformers)."""
+    import transformers
+
+    return transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )

@@ -11,6 +11,7 @@ from booster_testlib import (
     make_booster,
     make_model,
     make_optimizer,
+    tiny_gpt2_config,
     train_steps,
 )
 from safetensors.torch import load_file
@@ -208,15 +209,7 @@ def test_duck_typed_config_is_saved_with_the_weights(tmp_path) -> None:
 def _gpt2() -> nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=64,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_gpt2_config()
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from booster_testlib import full_state, make_booster, make_optimizer
+from booster_testlib import full_state, make_booster, make_optimizer, tiny_gpt2_config
 from torch import nn
 
 from colossal.core.testing import distributed_test
@@ -61,15 +61,7 @@ def test_lazy_equals_eager_and_allocates_nothing() -> None:
 
 def test_lazy_gpt2_equals_eager() -> None:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=64,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    cfg = tiny_gpt2_config()
     torch.manual_seed(0)
     eager = transformers.GPT2LMHeadModel(cfg)
     torch.manual_seed(0)

@@ -236,16 +236,21 @@ def test_launch_from_slurm_and_openmpi(launcher: str) -> None:
     assert results == [(0, 2, local[0]), (1, 2, local[1])]
 
 
-def _python_and_numpy_draws(seed: int) -> tuple[list[float], list[float] | None]:
-    from colossal.core.launch import set_seed
-
-    set_seed(seed)
+def _draws() -> tuple[list[float], list[float] | None]:
+    """Three draws from Python's generator and three from numpy's (None without numpy)."""
     draws = [random.random() for _ in range(3)]
     try:
         import numpy as np
     except ImportError:
         return draws, None
     return draws, np.random.rand(3).tolist()
+
+
+def _python_and_numpy_draws(seed: int) -> tuple[list[float], list[float] | None]:
+    from colossal.core.launch import set_seed
+
+    set_seed(seed)
+    return _draws()
 
 
 def test_set_seed_seeds_python_and_numpy() -> None:
@@ -272,12 +277,7 @@ def test_set_seed_seeds_numpy_when_installed() -> None:
 
 def _draws_after_launch(rank: int, world_size: int) -> tuple[list[float], list[float] | None]:
     # The harness ran launch(seed=1024) just before calling this function.
-    draws = [random.random() for _ in range(3)]
-    try:
-        import numpy as np
-    except ImportError:
-        return draws, None
-    return draws, np.random.rand(3).tolist()
+    return _draws()
 
 
 def test_launch_seeds_python_and_numpy_on_every_rank() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -295,25 +296,19 @@ class AdamBase(Optimizer):
     @staticmethod
     def _update_unit(kernel: AdamFn, unit: Unit, buf: torch.Tensor,
                      by_key: Mapping[int, tuple[AdamHyper, _Entry]], threads: int | None) -> None:
-        """Update the pieces of ``unit`` (loaded in ``buf``) whose params have grads."""
-        runs: list[tuple[AdamHyper, list[list[Any]]]] = []  # one kernel call per hyper run
-        for piece in unit.pieces:
-            if piece.key not in by_key:
-                continue
-            hyper, e = by_key[piece.key]
-            if not runs or runs[-1][0] is not hyper:
-                runs.append((hyper, [[], [], [], [], [], []]))
-            lo, hi = piece.start, piece.stop
-            exp_avg, exp_avg_sq = piece_views(buf, piece)
-            args = runs[-1][1]
-            args[0].append(e.param.view(-1)[lo:hi])
-            args[1].append(e.grad[lo:hi])
-            args[2].append(exp_avg)
-            args[3].append(exp_avg_sq)
-            args[4].append(None if e.copy is None else e.copy.view(-1)[lo:hi])
-            args[5].append(e.state["step"])
-        for hyper, args in runs:
-            kernel(*args, hyper, num_threads=threads)
+        """Update the pieces of ``unit`` (loaded in ``buf``) whose params have grads.
+
+        One kernel call per run of pieces with the same hyper-parameters.
+        """
+        todo = [(by_key[p.key], p) for p in unit.pieces if p.key in by_key]
+        for hyper, run in itertools.groupby(todo, key=lambda item: item[0][0]):
+            pieces = [(e, p, piece_views(buf, p)) for (_, e), p in run]
+            kernel([e.param.view(-1)[p.start : p.stop] for e, p, _ in pieces],
+                   [e.grad[p.start : p.stop] for e, p, _ in pieces],
+                   [m for _, _, (m, _) in pieces], [v for _, _, (_, v) in pieces],
+                   [None if e.copy is None else e.copy.view(-1)[p.start : p.stop]
+                    for e, p, _ in pieces],
+                   [e.state["step"] for e, _, _ in pieces], hyper, num_threads=threads)
 
     def _init_state(self, entry: _Entry) -> None:
         state = entry.state

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ UNIT_NUMEL = 8 * 1024 * 1024
 
 States = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
 Read = concurrent.futures.Future[Any] | None  # None: a unit never written (zeros)
+LoadedPiece = tuple[Piece, torch.Tensor, torch.Tensor]  # (piece, exp_avg, exp_avg_sq views)
 
 
 def _cleanup(directory: str, io: TensorFileIO) -> None:
@@ -171,35 +172,38 @@ class NVMeStateStore:
             self._buffers = [empty_aligned(numel) for _ in range(count)]
         return self._buffers[:count]
 
-    def read_states(self, keys: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """``{key: (exp_avg, exp_avg_sq)}`` (new flat fp32 tensors) of params ``keys``."""
+    def _loaded_units(self, keys: Collection[int]) -> Iterator[tuple[Unit, torch.Tensor,
+                                                                      list[LoadedPiece]]]:
+        """Each unit holding any of ``keys``, read into one scratch buffer.
+
+        Yields the unit, its buffer and the pieces of ``keys`` with their views (after the
+        queued IO is done).
+        """
         self.flush()
-        states = {k: (torch.empty(self._numel(k)), torch.empty(self._numel(k))) for k in keys}
         buf = empty_aligned(self.layout.capacity)
         for unit in self.layout.units_of(set(keys)):
-            self.read(unit, buf[: padded(unit.numel)])
-            for piece in unit.pieces:
-                if piece.key in states:
-                    exp_avg, exp_avg_sq = states[piece.key]
-                    m, v = piece_views(buf, piece)
-                    exp_avg[piece.start : piece.stop] = m
-                    exp_avg_sq[piece.start : piece.stop] = v
+            view = buf[: padded(unit.numel)]
+            self.read(unit, view)
+            yield unit, view, [(p, *piece_views(buf, p)) for p in unit.pieces if p.key in keys]
+
+    def read_states(self, keys: Sequence[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{key: (exp_avg, exp_avg_sq)}`` (new flat fp32 tensors) of params ``keys``."""
+        states = {k: (torch.empty(self._numel(k)), torch.empty(self._numel(k))) for k in keys}
+        for _, _, pieces in self._loaded_units(states):
+            for piece, m, v in pieces:
+                exp_avg, exp_avg_sq = states[piece.key]
+                exp_avg[piece.start : piece.stop] = m
+                exp_avg_sq[piece.start : piece.stop] = v
         return states
 
     def write_states(self, states: States) -> None:
         """Store ``{key: (exp_avg, exp_avg_sq)}`` (any float CPU tensors) and wait."""
         self._prefetch = None  # what it read is stale now
-        self.flush()
-        buf = empty_aligned(self.layout.capacity)
-        for unit in self.layout.units_of(set(states)):
-            view = buf[: padded(unit.numel)]
-            self.read(unit, view)
-            for piece in unit.pieces:
-                if piece.key in states:
-                    m, v = piece_views(buf, piece)
-                    exp_avg, exp_avg_sq = states[piece.key]
-                    m.copy_(exp_avg.reshape(-1)[piece.start : piece.stop])
-                    v.copy_(exp_avg_sq.reshape(-1)[piece.start : piece.stop])
+        for unit, view, pieces in self._loaded_units(states):
+            for piece, m, v in pieces:
+                exp_avg, exp_avg_sq = states[piece.key]
+                m.copy_(exp_avg.reshape(-1)[piece.start : piece.stop])
+                v.copy_(exp_avg_sq.reshape(-1)[piece.start : piece.stop])
             self.write_async(unit, view).result()
 
     def _numel(self, key: int) -> int:

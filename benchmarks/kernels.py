@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
+import itertools
 import json
 import os
 import platform
@@ -165,7 +166,7 @@ def _disk_io(directory: str, unit_nbytes: list[int], direct: bool):
     folder = tempfile.mkdtemp(prefix="colossal-disk-", dir=directory)
     bufs = [empty_aligned(n // 4).normal_() for n in unit_nbytes]
     views = [memoryview(b.numpy()).cast("B") for b in bufs]
-    offsets = [sum(unit_nbytes[:i]) for i in range(len(unit_nbytes))]
+    offsets = list(itertools.accumulate(unit_nbytes, initial=0))[:-1]
     flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
     fd = os.open(os.path.join(folder, "state.bin"), flags, 0o600)
     for v, offset in zip(views, offsets, strict=True):  # create it (untimed, like step 1)

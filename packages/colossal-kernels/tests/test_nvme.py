@@ -185,7 +185,7 @@ def test_io_goes_through_core_tensor_file_io_and_errors_propagate(tmp_path):
     assert files
     with open(os.path.join(opt._store.directory, files[0]), "r+b") as fh:
         fh.truncate(12)  # the state file lost its tail
-    opt._store.take_prefetched(opt._store.layout.units[:2])  # step 1 must read the file
+    opt._store.take_prefetched(opt._store.layout.units[: _nvme.DEPTH - 1])  # step 1 reads
     with pytest.raises(ValueError, match="truncated"):
         opt.step(grads=dict(zip(params, _grads(1), strict=False)))
     assert os.listdir(tmp_path) == []  # removed after the error
@@ -278,7 +278,7 @@ def test_late_grads_and_bounded_buffers(tmp_path, monkeypatch):
                                torch.as_tensor(sd2["state"][i][key]))
     buffers = o2._store._buffers
     assert buffers and all(b.numel() == 2048 for b in buffers)
-    assert 2 * max(SIZES) > 3 * 2048  # a whole-param ring would have been much larger
+    assert 2 * max(SIZES) > 3 * 2048  # a ring of whole params would have been larger
     o2.close()
 
 
@@ -304,10 +304,11 @@ def test_next_steps_first_units_are_read_ahead(tmp_path, monkeypatch):
         before = len(reads)
         o2.step(grads=dict(zip(off, grads, strict=False)))
         units = o2._store.layout.units
-        if step == 0:  # nothing to read yet; then the first 2 units are read for step 1
-            assert reads == [u.offset for u in units[:2]]
+        ahead = [u.offset for u in units[: _nvme.DEPTH - 1]]
+        if step == 0:  # nothing to read yet; then the first units are read for step 1
+            assert reads == ahead
         else:  # the prefetched units are not read again; the rest, then the next 2
-            assert reads[before:] == [u.offset for u in units[2:]] + [u.offset for u in units[:2]]
+            assert reads[before:] == [u.offset for u in units[len(ahead) :]] + ahead
         if step == 1:  # a load rewrites the file: the read-ahead is dropped, not used
             o2.load_state_dict(o1.state_dict())
             reads.clear()

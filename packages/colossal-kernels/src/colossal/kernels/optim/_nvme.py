@@ -37,8 +37,16 @@ from colossal.kernels.optim._nvme_layout import Piece, StateLayout, Unit, padded
 
 logger = get_logger(__name__)
 
-UNIT_NUMEL = 8 * 1024 * 1024
-"""Default fp32 values per unit (32 MiB: ``exp_avg`` and ``exp_avg_sq`` of 4Mi elements)."""
+UNIT_NUMEL = 16 * 1024 * 1024
+"""Default fp32 values per unit (64 MiB: ``exp_avg`` and ``exp_avg_sq`` of 8Mi elements).
+
+Each IO call costs about a millisecond beyond its transfer on the 2-core benchmark VM
+(thread hand-offs): 64 MiB units with two buffers measured about 10% faster per step than
+32 MiB units with three, for 128 MiB of buffers instead of 96 MiB.
+"""
+
+DEPTH = 2
+"""Unit buffers in the ring: one updating while the next is read."""
 
 States = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
 Read = concurrent.futures.Future[Any] | None  # None: a unit never written (zeros)
@@ -256,7 +264,7 @@ class StatePipeline:
             interleaves in-memory updates there so they overlap the IO).
     """
 
-    def __init__(self, store: NVMeStateStore, units: Sequence[Unit], depth: int = 3,
+    def __init__(self, store: NVMeStateStore, units: Sequence[Unit], depth: int = DEPTH,
                  before_wait: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.before_wait = before_wait

@@ -13,8 +13,8 @@ from torch import nn
 import colossal.core.io.writer as writer_mod
 from colossal.booster import Booster
 from colossal.checkpoint_io import MODEL_INDEX, OPTIMIZER_INDEX
-from colossal.checkpoint_io.checkpoint_io import unwrap_model
 from colossal.checkpoint_io.index import read_index
+from colossal.checkpoint_io.template import unwrap_model
 
 
 def _step(booster: Booster, model: nn.Module, optimizer, step: int) -> None:

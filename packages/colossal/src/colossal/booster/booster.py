@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from colossal.booster.mixed_precision import MixedPrecision
 from colossal.booster.plugin.base import Plugin
 from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.checkpoint_io import record_param_names
+from colossal.checkpoint_io.names import record_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
 
 logger = logging.getLogger(__name__)

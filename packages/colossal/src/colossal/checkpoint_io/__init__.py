@@ -9,13 +9,9 @@ optionally async, and never replace a good checkpoint until they are complete.
 
 from __future__ import annotations
 
-from colossal.checkpoint_io.checkpoint_io import (
-    MODEL_INDEX,
-    OPTIMIZER_INDEX,
-    CheckpointIO,
-    TensorReader,
-)
 from colossal.checkpoint_io.index import CheckpointError, read_index
+from colossal.checkpoint_io.reader import TensorReader
+from colossal.checkpoint_io.template import MODEL_INDEX, OPTIMIZER_INDEX, CheckpointIO
 
 __all__ = [
     "MODEL_INDEX",

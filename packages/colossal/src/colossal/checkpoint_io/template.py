@@ -14,61 +14,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from colossal.checkpoint_io.commit import resolve_directory
+from colossal.checkpoint_io.hf_config import hf_config_files
 from colossal.checkpoint_io.index import CheckpointError, read_index, write_json_atomic
+from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
+from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
 from colossal.core import ModelWrapper, OptimizerWrapper
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODEL_INDEX", "OPTIMIZER_INDEX", "CheckpointIO", "TensorReader"]
+__all__ = ["MODEL_INDEX", "OPTIMIZER_INDEX", "CheckpointIO", "unwrap_model"]
 
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 SCHEDULER_FILE = "lr_scheduler.json"
-CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-
-
-class TensorReader:
-    """Reads whole tensors or slices from a checkpoint's shards (``safe_open.get_slice``).
-
-    Args:
-        directory: The checkpoint directory.
-        weight_map: Tensor name -> shard file.
-    """
-
-    def __init__(self, directory: str, weight_map: dict[str, str]) -> None:
-        self.directory = directory
-        self.weight_map = weight_map
-        self._files: dict[str, Any] = {}
-
-    def _open(self, name: str) -> Any:
-        if name not in self.weight_map:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.directory}")
-        file = self.weight_map[name]
-        if file not in self._files:
-            self._files[file] = safe_open(os.path.join(self.directory, file), framework="pt")
-        return self._files[file]
-
-    def read(self, name: str, index: Any = None) -> torch.Tensor:
-        """``tensor[index]`` (the whole tensor when ``index`` is None), read from disk."""
-        handle = self._open(name)
-        if index is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
-
-    def shape(self, name: str) -> list[int]:
-        """The stored shape of ``name``."""
-        return list(self._open(name).get_slice(name).get_shape())
-
-    def close(self) -> None:
-        """Drop the open file handles."""
-        self._files.clear()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -302,92 +265,6 @@ class CheckpointIO:
     def synchronize(self) -> None:
         """Wait until every async save has been committed on every rank (collective)."""
         self.saver.synchronize()
-
-
-def hf_config_files(module: nn.Module) -> dict[str, str]:
-    """The Hugging Face config files of ``module``: file name -> JSON text (empty if none).
-
-    Duck-typed, without importing transformers: ``module.config`` with ``to_json_string()``
-    (or only ``save_pretrained``) gives ``config.json``, with ``architectures`` filled in as
-    ``save_pretrained`` does; a non-None ``module.generation_config`` with
-    ``to_json_string()`` gives ``generation_config.json``. The text is taken now, so later
-    changes to the configs do not reach an async save.
-    """
-    out: dict[str, str] = {}
-    config = getattr(module, "config", None)
-    text = None
-    if callable(getattr(config, "to_json_string", None)):
-        text = config.to_json_string()
-    elif callable(getattr(config, "save_pretrained", None)):
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            config.save_pretrained(tmp)
-            file = os.path.join(tmp, CONFIG_FILE)
-            if os.path.isfile(file):
-                with open(file, encoding="utf-8") as handle:
-                    text = handle.read()
-    if isinstance(text, str):
-        out[CONFIG_FILE] = _with_architectures(text, module)
-    generation = getattr(module, "generation_config", None)
-    if generation is not None and callable(getattr(generation, "to_json_string", None)):
-        text = generation.to_json_string()
-        if isinstance(text, str):
-            out[GENERATION_CONFIG_FILE] = text
-    return out
-
-
-def _with_architectures(text: str, module: nn.Module) -> str:
-    """``text`` with ``architectures`` set to the model's class when it is not set."""
-    import json
-
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    if not isinstance(config, dict) or config.get("architectures"):
-        return text
-    # Skip wrapper classes made by torch (FSDP2 turns ``Net`` into ``FSDPNet``).
-    cls = next(
-        (c for c in type(module).__mro__ if not c.__module__.startswith("torch.")), type(module)
-    )
-    config["architectures"] = [cls.__name__]
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
-
-
-def param_names(optimizer: Any) -> list[str]:
-    """The parameter name of each optimizer index, recorded when the optimizer was boosted.
-
-    Raises:
-        TypeError: The optimizer was not boosted (no names recorded).
-    """
-    names = getattr(optimizer, "colossal_param_names", None)
-    if names is None:
-        raise TypeError(
-            f"{type(optimizer).__name__} has no recorded parameter names; pass the optimizer "
-            "returned by booster.boost(...)"
-        )
-    return list(names)
-
-
-def record_param_names(optimizer: Any, model: nn.Module) -> list[str]:
-    """Record on ``optimizer`` the model name of every parameter, in param-group order.
-
-    Raises:
-        ValueError: The optimizer holds a parameter that is not in ``model``.
-    """
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = optimizer.param_groups
-    names = []
-    for g, group in enumerate(groups):
-        for p in group["params"]:
-            if id(p) not in by_id:
-                raise ValueError(
-                    f"optimizer param group {g} holds a parameter of shape {tuple(p.shape)} "
-                    "that is not in the model; build the optimizer from model.parameters()"
-                )
-            names.append(by_id[id(p)])
-    return names
 
 
 def _global_shape(t: torch.Tensor) -> torch.Size:

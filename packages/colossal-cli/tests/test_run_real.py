@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterable
 
 from conftest import cli_env, free_port
 
@@ -59,22 +60,25 @@ def test_real_run_failure_is_nonzero(tmp_path, colossal_cmd) -> None:
 def test_run_nodes_prefixes_and_stops_all_on_failure(tmp_path) -> None:
     out = tmp_path / "out.txt"
     marker = tmp_path / "survivor"
-    slow = f"import time; print('up', flush=True); time.sleep(30); open({str(marker)!r}, 'w')"
+    # nodeA only finishes (and leaves the marker) if it is waited for instead of stopped.
+    slow = (
+        f"import time; print('up', flush=True); time.sleep(30); open({str(marker)!r}, 'w'); "
+        "print('finished', flush=True)"
+    )
     commands = [
         ("nodeA", [sys.executable, "-c", slow]),
         ("nodeB", [sys.executable, "-c",
                    "import time, sys; time.sleep(1); print('bye'); sys.exit(4)"]),
     ]  # fmt: skip
-    start = time.monotonic()
     with out.open("w") as f:
         code = run_nodes(commands, out=f)
     assert code == 4
-    assert time.monotonic() - start < 15  # nodeA was stopped, not waited for
     text = out.read_text()
     assert "[nodeA] up" in text and "[nodeB] bye" in text
     assert "node nodeB exited with code 4: stopping every node" in text
-    time.sleep(0.5)
-    assert not marker.exists()
+    # run_nodes returns after the nodes it stopped are gone: nodeA was stopped, not completed.
+    assert "[nodeA] finished" not in text, text
+    assert not marker.exists(), "nodeA ran to completion: it was waited for, not stopped"
 
 
 def test_run_nodes_all_succeed(tmp_path) -> None:
@@ -101,7 +105,8 @@ def test_ctrl_c_stops_every_node(tmp_path) -> None:
         def sleeper(name):
             return ("import os, pathlib, time; "
                     f"pathlib.Path({str(tmp_path)!r}, {{name!r}}).write_text(str(os.getpid())); "
-                    "time.sleep(60)")
+                    "time.sleep(60); "
+                    f"pathlib.Path({str(tmp_path)!r}, {{name!r}} + '_done').write_text('')")
         sys.exit(run_nodes([("a", [sys.executable, "-c", sleeper("pid_a")]),
                             ("b", [sys.executable, "-c", sleeper("pid_b")])]))
     """)
@@ -112,14 +117,18 @@ def test_ctrl_c_stops_every_node(tmp_path) -> None:
     _wait_for(tmp_path / "pid_b")
     pids = {name: int((tmp_path / f"pid_{name}").read_text()) for name in "ab"}
     assert all(_alive(pid) for pid in pids.values())  # the check below can fail
-    start = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        # Only stops a hang: the sleepers would finish on their own after 60 s.
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        _kill_leftovers(proc, pids.values())
     assert proc.returncode == 130, out
     assert "interrupted: stopping every node" in out
-    assert time.monotonic() - start < 15
-    # run_nodes waits for every node it stopped, so they are gone by the time it returns.
+    # run_nodes waits for every node it stopped, so they are gone by the time it returns,
+    # and they were stopped (no "done" marker), not waited for until their sleep ended.
     assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert not list(tmp_path.glob("*_done")), "a node ran to completion instead of being stopped"
 
 
 def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
@@ -137,13 +146,29 @@ def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
                             stderr=subprocess.STDOUT)  # fmt: skip
     _wait_for(tmp_path / "rank0")
     _wait_for(tmp_path / "rank1")
+    pids = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]
     proc.send_signal(signal.SIGINT)  # to the launcher only, as a test cannot press Ctrl-C
-    proc.communicate(timeout=40)
+    try:
+        proc.communicate(timeout=40)  # only stops a hang
+    finally:
+        # The ranks may take a moment to exit after the launcher: poll (only stops a hang).
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [rank for rank, pid in enumerate(pids) if _alive(pid)]
+        _kill_leftovers(proc, pids)
     assert proc.returncode == 130
-    time.sleep(1)
-    for rank in (0, 1):
-        pid = int((tmp_path / f"rank{rank}").read_text())
-        assert not _alive(pid), f"rank {rank} survived"
+    assert survivors == [], f"ranks {survivors} survived"
+
+
+def _kill_leftovers(proc: subprocess.Popen, pids: Iterable[int]) -> None:
+    """Kill the driver and the given node pids if a failed check left them running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -19,7 +19,8 @@ from colossal.core.launch import (
 )
 from colossal.core.logging import get_dist_logger, get_logger
 from colossal.core.mesh import ProcessGroupMesh
-from colossal.core.precision import DynamicGradScaler, Precision, parse_precision
+from colossal.core.parallel_dims import ParallelDims
+from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
 
 __all__ = [
     "BaseAccelerator",
@@ -29,8 +30,10 @@ __all__ = [
     "DynamicGradScaler",
     "ModelWrapper",
     "OptimizerWrapper",
+    "ParallelDims",
     "Precision",
     "ProcessGroupMesh",
+    "ScalerConfig",
     "__version__",
     "get_accelerator",
     "get_dist_logger",

@@ -11,6 +11,7 @@ from colossal.core.comm import CommTracker
 from colossal.core.precision import (
     DynamicGradScaler,
     Precision,
+    ScalerConfig,
     agree_overflow,
     local_overflow,
     parse_precision,
@@ -109,6 +110,27 @@ def test_scaler_validation_names_every_problem() -> None:
         "hysteresis=0",
     ):
         assert fragment in msg
+
+
+def test_scaler_takes_one_config_whole() -> None:
+    config = ScalerConfig(initial_scale=64, backoff_factor=0.25, hysteresis=1, min_scale=2)
+    scaler = DynamicGradScaler(config)
+    assert scaler.config is config  # kept whole, not rebuilt from its fields
+    scaler.update(True)
+    assert scaler.scale == 16.0
+    assert DynamicGradScaler(
+        initial_scale=64, backoff_factor=0.25, hysteresis=1, min_scale=2
+    ).config == config
+    assert ScalerConfig(initial_scale=8).initial_scale == 8.0
+    assert isinstance(ScalerConfig(initial_scale=8).initial_scale, float)
+    with pytest.raises(TypeError, match="not both"):
+        DynamicGradScaler(config, hysteresis=2)
+    with pytest.raises(TypeError, match=r"\['init_scale'\].*'initial_scale'"):
+        DynamicGradScaler(init_scale=2.0)
+    with pytest.raises(TypeError, match="must be a ScalerConfig"):
+        DynamicGradScaler({"initial_scale": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_scale='big' must be a number"):
+        ScalerConfig(max_scale="big")  # type: ignore[arg-type]
 
 
 def test_scale_and_unscale() -> None:

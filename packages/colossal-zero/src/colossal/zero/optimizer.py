@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from colossal.core import DynamicGradScaler, OptimizerWrapper
 from colossal.core.comm import broadcast, group_ranks
-from colossal.core.precision import Precision
+from colossal.core.precision import Precision, ScalerConfig, scaler_config_from
 from colossal.zero.config import ZeroConfig
 from colossal.zero.grad_norm import global_norm, local_norm_term
 from colossal.zero.layout import Bucket, GroupLayout, plan_layout
@@ -71,6 +71,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             the next forward wait for each module's parameters just in time. Read parameters
             outside a forward only after :meth:`wait_params`.
         verbose: Log overflows and scale changes at INFO level.
+        scaler_config: The fp16 loss scaler's settings as one ``ScalerConfig`` (instead of
+            the seven keyword settings above).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -102,8 +104,22 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         pp_process_group: dist.ProcessGroup | None = None,
         overlap_allgather: bool = False,
         verbose: bool = False,
+        scaler_config: ScalerConfig | None = None,
     ) -> None:
         super().__init__(optimizer)
+        scaler = scaler_config_from(
+            {
+                "initial_scale": initial_scale,
+                "min_scale": min_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "hysteresis": hysteresis,
+                "max_scale": max_scale,
+            },
+            scaler_config,
+            owner="LowLevelZeroOptimizer",
+        )
         if not dist.is_initialized():
             raise RuntimeError(
                 "LowLevelZeroOptimizer needs torch.distributed initialized (torchrun + "
@@ -132,19 +148,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self._group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         trainable = [p for g in members for _, p in g]
         self.precision, self.device = self._check_params(trainable)
-        self.scaler = (
-            DynamicGradScaler(
-                initial_scale,
-                min_scale,
-                growth_factor,
-                backoff_factor,
-                growth_interval,
-                hysteresis,
-                max_scale,
-            )
-            if self.precision is Precision.FP16
-            else None
-        )
+        self.scaler_config = scaler
+        self.scaler = DynamicGradScaler(scaler) if self.precision is Precision.FP16 else None
         self.layouts, self.buckets = plan_layout(
             members, self.world_size, self.config.reduce_bucket_size
         )

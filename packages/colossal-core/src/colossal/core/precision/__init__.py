@@ -6,6 +6,7 @@ from colossal.core.precision.scaler import (
     ScalerConfig,
     agree_overflow,
     local_overflow,
+    scaler_config_from,
 )
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "agree_overflow",
     "local_overflow",
     "parse_precision",
+    "scaler_config_from",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,9 +19,28 @@ logger = logging.getLogger(__name__)
 Groups = ProcessGroup | Sequence[ProcessGroup | None] | None
 
 
+_FLOAT_FIELDS = ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "max_scale")
+
+
 @dataclass(frozen=True)
 class ScalerConfig:
-    """Validated hyper-parameters of :class:`DynamicGradScaler`."""
+    """The loss scaler's settings, validated: the one place that lists them.
+
+    Constructors that expose these settings as keyword arguments (the documented ColossalAI
+    ones) build one ``ScalerConfig`` from them and pass it on whole.
+
+    Args:
+        initial_scale: Starting loss scale.
+        min_scale: Lower bound of the scale (> 0).
+        growth_factor: Multiplier applied after ``growth_interval`` clean steps (> 1).
+        backoff_factor: Multiplier applied on overflow (in (0, 1)).
+        growth_interval: Clean steps between growths (int >= 1).
+        hysteresis: Overflow steps tolerated before backing off (int >= 1).
+        max_scale: Upper bound of the scale.
+
+    Raises:
+        ValueError: Settings out of range (every problem is named at once).
+    """
 
     initial_scale: float = 2**16
     min_scale: float = 1.0
@@ -33,6 +52,14 @@ class ScalerConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                problems.append(f"{name}={value!r} must be a number")
+            else:
+                object.__setattr__(self, name, float(value))
+        if problems:
+            raise ValueError("invalid loss scaler settings: " + "; ".join(problems))
         if not self.min_scale > 0:
             problems.append(f"min_scale={self.min_scale} must be > 0")
         if not self.min_scale <= self.initial_scale <= self.max_scale:
@@ -50,6 +77,46 @@ class ScalerConfig:
             problems.append(f"hysteresis={self.hysteresis} must be an int >= 1")
         if problems:
             raise ValueError("invalid loss scaler settings: " + "; ".join(problems))
+
+
+def scaler_config_from(
+    settings: Mapping[str, Any],
+    config: ScalerConfig | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    owner: str = "this constructor",
+) -> ScalerConfig:
+    """The one :class:`ScalerConfig` of a constructor given keyword settings or a config.
+
+    For constructors that expose the settings as documented keyword arguments and also
+    accept ``scaler_config=``: ``config`` is returned as it is; without it the settings are
+    validated into a new config.
+
+    Args:
+        settings: The constructor's keyword settings (field name -> value).
+        config: A config passed whole (``scaler_config=``), if any.
+        defaults: The constructor's defaults where they differ from :class:`ScalerConfig`'s.
+        owner: Name used in errors.
+
+    Raises:
+        TypeError: ``config`` is not a ScalerConfig, or is given together with settings
+            that differ from their defaults.
+        ValueError: Invalid settings.
+    """
+    if config is None:
+        return ScalerConfig(**settings)
+    if not isinstance(config, ScalerConfig):
+        raise TypeError(
+            f"{owner}: scaler_config must be a ScalerConfig, got {type(config).__name__}"
+        )
+    base = {**asdict(ScalerConfig()), **(defaults or {})}
+    changed = sorted(k for k, v in settings.items() if v != base.get(k))
+    if changed:
+        raise TypeError(
+            f"{owner}: pass the loss scaler settings either as scaler_config=ScalerConfig(...) "
+            f"or as keywords, not both (also got {changed})"
+        )
+    return config
 
 
 def local_overflow(tensors: Iterable[torch.Tensor | None]) -> bool:
@@ -89,37 +156,33 @@ class DynamicGradScaler:
     above ``max_scale``) and the hysteresis count restarts.
 
     Args:
-        initial_scale: Starting loss scale.
-        min_scale: Lower bound of the scale.
-        growth_factor: Multiplier applied after ``growth_interval`` clean steps (> 1).
-        backoff_factor: Multiplier applied on overflow (in (0, 1)).
-        growth_interval: Clean steps between growths.
-        hysteresis: Overflow steps tolerated before backing off.
-        max_scale: Upper bound of the scale.
+        config: The settings (:class:`ScalerConfig`); defaults when ``None``.
+        **settings: Instead of ``config``, any of :class:`ScalerConfig`'s fields by keyword
+            (``DynamicGradScaler(initial_scale=2**10, hysteresis=1)``).
 
     Raises:
         ValueError: settings out of range (all problems are named at once).
+        TypeError: both ``config`` and keyword settings, or an unknown setting.
     """
 
-    def __init__(
-        self,
-        initial_scale: float = 2**16,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
-    ) -> None:
-        self.config = ScalerConfig(
-            float(initial_scale),
-            float(min_scale),
-            float(growth_factor),
-            float(backoff_factor),
-            growth_interval,
-            hysteresis,
-            float(max_scale),
-        )
+    def __init__(self, config: ScalerConfig | None = None, **settings: float) -> None:
+        if config is not None and settings:
+            raise TypeError(
+                f"pass either config=ScalerConfig(...) or keyword settings, not both "
+                f"(got config and {sorted(settings)})"
+            )
+        if config is not None and not isinstance(config, ScalerConfig):
+            raise TypeError(
+                f"config must be a ScalerConfig, got {type(config).__name__}; pass settings "
+                "by keyword (initial_scale=...) or as ScalerConfig(...)"
+            )
+        unknown = sorted(set(settings) - set(ScalerConfig.__dataclass_fields__))
+        if unknown:
+            raise TypeError(
+                f"unknown loss scaler setting(s) {unknown}; the settings are "
+                f"{list(ScalerConfig.__dataclass_fields__)}"
+            )
+        self.config = config if config is not None else ScalerConfig(**settings)  # type: ignore[arg-type]
         self._scale = self.config.initial_scale
         self._growth_step = 0
         self._hysteresis_step = 0

@@ -143,9 +143,9 @@ def test_bad_offload_dir(tmp_path):
 
 @pytest.mark.parametrize("cost", [0.0, 1e9])  # all cores compute / one core left to the IO
 def test_thread_choice_keeps_results_identical(tmp_path, monkeypatch, cost):
-    from colossal.kernels.optim import _base
+    from colossal.kernels.optim import _base, _offload
 
-    monkeypatch.setattr(_base, "_OVERSUBSCRIBE_COST", cost)
+    monkeypatch.setattr(_offload, "_OVERSUBSCRIBE_COST", cost)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     chosen = []

@@ -68,11 +68,11 @@ def _layer(dist: str, level: int, allowed: Iterable[str] = (), lazy: Iterable[st
 # (columns "distribution", "import", "may import"). Keep the two in sync: a new package must be
 # added here, or the checker reports it as an unknown package.
 #
-# Packages of one distribution (booster, checkpoint_io and lazy all belong to "colossal") may
+# Packages of one distribution (booster, checkpoint_io, lazy and nn all belong to "colossal") may
 # import each other freely, including private modules. Third-party imports are not checked.
 # ------------------------------------------------------------------------------------------------
 _BELOW_META = ("core", "kernels", "zero", "pipeline", "gemini", "shardformer")
-_META = ("booster", "checkpoint_io", "lazy")
+_META = ("booster", "checkpoint_io", "lazy", "nn")
 
 LAYERS: dict[str, Layer] = {
     #  import name        distribution            level  may import            lazily only
@@ -85,6 +85,7 @@ LAYERS: dict[str, Layer] = {
     "booster": _layer("colossal", 3, _BELOW_META),
     "checkpoint_io": _layer("colossal", 3, _BELOW_META),
     "lazy": _layer("colossal", 3, _BELOW_META),
+    "nn": _layer("colossal", 3, _BELOW_META),
     # DESIGN.md: cli imports core, and the meta-package lazily; `colossal check -i` also shows
     # the kernel registry, so colossal.kernels (under the meta-package) may be imported lazily.
     "cli": _layer("colossal-cli", 4, ["core"], lazy=(*_META, "kernels")),

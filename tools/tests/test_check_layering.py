@@ -357,9 +357,10 @@ def test_table_matches_design() -> None:
         "booster",
         "checkpoint_io",
         "lazy",
+        "nn",
     }
     assert layers["cli"].allowed == {"core"}
-    assert layers["cli"].lazy_only == {"booster", "checkpoint_io", "lazy", "kernels"}
+    assert layers["cli"].lazy_only == {"booster", "checkpoint_io", "lazy", "nn", "kernels"}
     for name, layer in layers.items():
         for dep in layer.allowed:
             assert layers[dep].level < layer.level, (name, dep)

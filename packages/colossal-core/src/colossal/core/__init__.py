@@ -17,7 +17,12 @@ from colossal.core.launch import (
     launch_from_torch,
     set_seed,
 )
-from colossal.core.logging import get_dist_logger, get_logger
+from colossal.core.logging import (
+    DistributedLogger,
+    disable_existing_loggers,
+    get_dist_logger,
+    get_logger,
+)
 from colossal.core.mesh import ProcessGroupMesh
 from colossal.core.parallel_dims import ParallelDims
 from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
@@ -27,6 +32,7 @@ __all__ = [
     "CommError",
     "CommTracker",
     "DistCoordinator",
+    "DistributedLogger",
     "DynamicGradScaler",
     "ModelWrapper",
     "OptimizerWrapper",
@@ -35,6 +41,7 @@ __all__ = [
     "ProcessGroupMesh",
     "ScalerConfig",
     "__version__",
+    "disable_existing_loggers",
     "get_accelerator",
     "get_dist_logger",
     "get_logger",

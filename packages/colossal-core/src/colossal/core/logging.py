@@ -1,16 +1,29 @@
 """Loggers for library code, with helpers that log on chosen ranks only.
 
 Library modules use ``get_logger(__name__)`` and never configure handlers; only the CLI (or
-the user's script) does.
+the user's script) does. ColossalAI's names work as there::
+
+    from colossal.core.logging import disable_existing_loggers, get_dist_logger
+
+    disable_existing_loggers()
+    logger = get_dist_logger()
+    logger.info("initialized", ranks=[0])
+
+Nothing is printed unless something configures output: ``colossal run``, the script
+(``logging.basicConfig(level=logging.INFO)``) or ``logger.log_to_file(directory)``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
+
+#: The logger ``get_dist_logger()`` returns without a name, parent of every Colossal logger.
+DEFAULT_LOGGER_NAME = "colossal"
 
 _WARNED: set[tuple[str, str]] = set()
 _WARNED_LOCK = threading.Lock()
@@ -63,8 +76,11 @@ def warn_once(logger: logging.Logger, msg: str, *args: object) -> bool:
 class DistributedLogger(logging.LoggerAdapter):
     """A logger whose calls accept ``ranks=[...]`` and prefix records with the rank.
 
+    ``ranks`` are global ranks; without an initialized process group this process is rank 0.
+    Records name the caller of ``info``/``warning``/... (not this class) as their origin.
+
     Example:
-        >>> log = DistributedLogger(get_logger(__name__))
+        >>> log = get_dist_logger()
         >>> log.info("step %d", 3, ranks=[0])
     """
 
@@ -75,44 +91,159 @@ class DistributedLogger(logging.LoggerAdapter):
         """Prefix the message with this process's rank."""
         return f"[rank {_this_rank()}] {msg}", kwargs
 
-    def log(
+    def _log_on(
+        self,
+        level: int,
+        msg: object,
+        args: tuple[object, ...],
+        ranks: Iterable[int] | None,
+        kwargs: dict,
+    ) -> None:
+        if ranks is not None and _this_rank() not in set(ranks):
+            return
+        # This frame and the public method that called it sit between the user and logging.
+        kwargs["stacklevel"] = int(kwargs.get("stacklevel", 1)) + 2
+        super().log(level, msg, *args, **kwargs)
+
+    def log(  # type: ignore[override]
         self,
         level: int,
         msg: object,
         *args: object,
         ranks: Iterable[int] | None = None,
         **kwargs: object,
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """Log on ``ranks`` only (every rank when ``None``)."""
-        if ranks is not None and _this_rank() not in set(ranks):
-            return
-        super().log(level, msg, *args, **kwargs)
+        self._log_on(level, msg, args, ranks, kwargs)
 
-    def debug(
+    def debug(  # type: ignore[override]
         self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """Debug-level :meth:`log`."""
-        self.log(logging.DEBUG, msg, *args, ranks=ranks, **kw)
+        self._log_on(logging.DEBUG, msg, args, ranks, kw)
 
-    def info(
+    def info(  # type: ignore[override]
         self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """Info-level :meth:`log`."""
-        self.log(logging.INFO, msg, *args, ranks=ranks, **kw)
+        self._log_on(logging.INFO, msg, args, ranks, kw)
 
-    def warning(
+    def warning(  # type: ignore[override]
         self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """Warning-level :meth:`log`."""
-        self.log(logging.WARNING, msg, *args, ranks=ranks, **kw)
+        self._log_on(logging.WARNING, msg, args, ranks, kw)
 
-    def error(
+    def error(  # type: ignore[override]
         self, msg: object, *args: object, ranks: Iterable[int] | None = None, **kw: object
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """Error-level :meth:`log`."""
-        self.log(logging.ERROR, msg, *args, ranks=ranks, **kw)
+        self._log_on(logging.ERROR, msg, args, ranks, kw)
+
+    def set_level(self, level: int | str) -> None:
+        """Set the level of the underlying logger (``"INFO"`` or ``logging.INFO``).
+
+        Raises:
+            ValueError: An unknown level name.
+        """
+        self.logger.setLevel(_level(level))
+
+    def log_to_file(
+        self, path: str | os.PathLike[str], mode: str = "a", level: int | str = "INFO",
+        suffix: str | None = None,
+    ) -> str:  # fmt: skip
+        """Also write this logger's records of ``level`` and above to a file, on every rank.
+
+        Args:
+            path: A directory (each rank writes ``rank_<rank>.log`` there, or
+                ``rank_<rank>_<suffix>.log``) or, when it is not a directory, the file itself.
+            mode: ``open`` mode, ``"a"`` (append) or ``"w"``.
+            level: Lowest level written; the logger's own level is lowered to it if needed.
+            suffix: Added to the per-rank file name.
+
+        Returns:
+            The path of the log file.
+
+        Raises:
+            ValueError: ``mode`` is not ``"a"``/``"w"`` or ``level`` is unknown.
+        """
+        if mode not in ("a", "w"):
+            raise ValueError(f"log_to_file: mode must be 'a' or 'w', got {mode!r}")
+        threshold = _level(level)
+        target = os.fspath(path)
+        if os.path.isdir(target):
+            name = f"rank_{_this_rank()}" + (f"_{suffix}" if suffix else "") + ".log"
+            target = os.path.join(target, name)
+        handler = logging.FileHandler(target, mode=mode, encoding="utf-8")
+        handler.setLevel(threshold)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.logger.addHandler(handler)
+        if self.logger.getEffectiveLevel() > threshold:
+            self.logger.setLevel(threshold)
+        return target
 
 
-def get_dist_logger(name: str) -> DistributedLogger:
-    """A :class:`DistributedLogger` over ``get_logger(name)``."""
+def _level(level: int | str) -> int:
+    if isinstance(level, int) and not isinstance(level, bool):
+        return level
+    value = logging.getLevelName(str(level).upper())
+    if not isinstance(value, int):
+        raise ValueError(
+            f"unknown logging level {level!r}; use DEBUG, INFO, WARNING, ERROR or CRITICAL"
+        )
+    return value
+
+
+def get_dist_logger(name: str = DEFAULT_LOGGER_NAME) -> DistributedLogger:
+    """A :class:`DistributedLogger` over ``get_logger(name)`` (ColossalAI's ``get_dist_logger``).
+
+    No handler is added: output is configured by the CLI or the script.
+
+    Args:
+        name: Logger name; ``"colossal"`` (the parent of every Colossal logger) by default.
+    """
     return DistributedLogger(get_logger(name))
+
+
+def disable_existing_loggers(
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (DEFAULT_LOGGER_NAME,),
+    level: int | str = logging.WARNING,
+) -> list[str]:
+    """Quiet the loggers that exist now by raising their level to ``level`` (WARNING).
+
+    As ColossalAI's ``disable_existing_loggers``: every existing logger except ``exclude``
+    (Colossal's own by default) is set to WARNING, so third-party INFO chatter goes away. A
+    name also covers its children (``"colossal"`` covers ``"colossal.zero"``). Loggers created
+    later and the root logger are not changed.
+
+    Args:
+        include: Only these loggers (and their children); ``exclude`` is then ignored.
+        exclude: Loggers left alone when ``include`` is None.
+        level: The level to set.
+
+    Returns:
+        The names of the loggers whose level was set, sorted.
+
+    Raises:
+        TypeError: ``include`` or ``exclude`` is a single string instead of a list of names.
+        ValueError: An unknown level name.
+    """
+    for arg, value in (("include", include), ("exclude", exclude)):
+        if isinstance(value, str):
+            raise TypeError(f"disable_existing_loggers: {arg} must be a list of names, "
+                            f"got the string {value!r}; write {arg}=[{value!r}]")  # fmt: skip
+    threshold = _level(level)
+
+    def covered(name: str, names: Sequence[str]) -> bool:
+        return any(name == n or name.startswith(n + ".") for n in names)
+
+    changed = []
+    for name, obj in list(logging.Logger.manager.loggerDict.items()):
+        if not isinstance(obj, logging.Logger):
+            continue  # a placeholder for a parent no one created
+        selected = covered(name, include) if include is not None else not covered(name, exclude)
+        if selected:
+            obj.setLevel(threshold)
+            changed.append(name)
+    return sorted(changed)

@@ -10,14 +10,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -28,6 +36,7 @@ from colossal.booster.plugin.base import (
     repoint_optimizer,
 )
 from colossal.booster.plugin.fsdp_checkpoint_io import FSDPCheckpointIO, _target
+from colossal.booster.plugin.fsdp_compat import FSDP1Arguments
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import record_param_names
 from colossal.checkpoint_io.template import unwrap_model
@@ -146,23 +155,75 @@ class TorchFSDPPlugin(DPPluginBase):
         shard_module_types: Class names of submodules sharded as their own units (default:
             the entries of every ``nn.ModuleList``); the root is always sharded.
         dp_group: The data-parallel group (the whole job when None).
+        process_group: ColossalAI's (FSDP1) name for ``dp_group``.
+        sharding_strategy: FSDP1 ``ShardingStrategy``: ``FULL_SHARD`` (default) is
+            ``reshard_after_forward=True``, ``SHARD_GRAD_OP`` is ``False``, ``HYBRID_SHARD``
+            shards within a node (``LOCAL_WORLD_SIZE`` ranks) and replicates across nodes
+            (a 2-D mesh); ``NO_SHARD`` is refused (use ``TorchDDPPlugin``).
+        cpu_offload: FSDP1 ``CPUOffload``; ``offload_params=True`` is ``CPUOffloadPolicy``
+            (needs an accelerator).
+        auto_wrap_policy: FSDP1 auto-wrap policy choosing the submodules sharded as their
+            own units (instead of ``shard_module_types``).
+        backward_prefetch: FSDP1 ``BackwardPrefetch``; accepted, FSDP2 always prefetches
+            the next all-gather in backward.
+        mixed_precision: FSDP1 ``MixedPrecision``; becomes ``MixedPrecisionPolicy(
+            param_dtype, reduce_dtype, cast_forward_inputs)`` (``buffer_dtype`` and
+            ``keep_low_precision_grads`` are refused).
+        ignored_modules: Modules whose parameters are neither sharded nor reduced.
+        param_init_fn: ``fn(module)`` called before sharding on each module holding
+            meta-device tensors (it must materialize them).
+        sync_module_states: Broadcast parameters and buffers from the group's rank 0 before
+            sharding.
+
+    Raises:
+        TypeError: An FSDP1 argument has the wrong type.
+        ValueError: An FSDP1 argument has no FSDP2 meaning, or contradicts an FSDP2 one
+            (the message names the replacement).
     """
 
     def __init__(
         self,
         precision: str = "fp32",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
         shard_module_types: Sequence[str] | None = None,
         dp_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable[..., Any] | None = None,
+        backward_prefetch: BackwardPrefetch | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        sync_module_states: bool = False,
     ) -> None:
+        self.fsdp1 = FSDP1Arguments(
+            process_group,
+            sharding_strategy,
+            cpu_offload,
+            auto_wrap_policy,
+            backward_prefetch,
+            mixed_precision,
+            tuple(ignored_modules or ()),
+            param_init_fn,
+            sync_module_states,
+        )
+        if auto_wrap_policy is not None and shard_module_types is not None:
+            raise ValueError(
+                "TorchFSDPPlugin got auto_wrap_policy (FSDP1) and shard_module_types (FSDP2); "
+                "pass only one of them"
+            )
+        dp_group = self.fsdp1.dp_group(dp_group)
         super().__init__(dp_group)
         self.config = FSDPConfig(
             precision,
-            bool(reshard_after_forward),
+            self.fsdp1.reshard_after_forward(reshard_after_forward),
             tuple(shard_module_types) if shard_module_types is not None else None,
         )
+        mp_policy = self.fsdp1.mp_policy(mp_policy, self.config.precision)
+        offload_policy = self.fsdp1.offload_policy(offload_policy)
         if mp_policy is None and self.config.precision == "bf16":
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -201,20 +262,23 @@ class TorchFSDPPlugin(DPPluginBase):
     ) -> tuple[Any, Any, Any, Any, Any]:
         """Shard the model in place and point the optimizer at the sharded parameters."""
         device = get_accelerator().get_current_device()
+        self.fsdp1.prepare(model, optimizer, self.dp_group, device)
         lazy = has_lazy_tensors(model)
         recipes = _lazy_recipes(model) if lazy else {}
         if not lazy:
             model = model.to(device)
         names = record_param_names(optimizer, model) if optimizer is not None else []
         group_names = group_param_names(optimizer, model) if optimizer is not None else []
-        mesh = self._mesh()
+        mesh = self.fsdp1.hybrid_mesh(device.type) or self._mesh()
         kwargs = {
             "mesh": mesh,
             "reshard_after_forward": self.config.reshard_after_forward,
             "mp_policy": self.mp_policy,
             "offload_policy": self.offload_policy,
+            "ignored_params": self.fsdp1.ignored_params(model),
         }
-        for module in _module_types(model, self.config.shard_module_types):
+        default_units = _module_types(model, self.config.shard_module_types)
+        for module in self.fsdp1.wrap_units(model, default_units):
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         if lazy:

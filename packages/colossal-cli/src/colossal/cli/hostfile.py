@@ -7,10 +7,15 @@ blank lines are ignored::
     # two 8-GPU nodes
     node1 slots=8
     node2:8
+    fe80::1 slots=8
+
+A host name contains no ``:`` (an IPv6 address is taken whole, so give its slots as
+``slots=N``); anything else, such as ``host2:4:5``, is an error naming its line.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,15 @@ __all__ = ["HostInfo", "filter_hosts", "parse_host_list", "parse_hostfile"]
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]:@]+$")
 _SLOTS_RE = re.compile(r"^slots=(\d+)$")
+_FORMS = "expected 'host', 'host slots=N' or 'host:N'"
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -36,23 +50,38 @@ class HostInfo:
     def __post_init__(self) -> None:
         if not self.hostname or not _HOST_RE.match(self.hostname):
             raise ValueError(f"invalid host name {self.hostname!r}")
+        if ":" in self.hostname and not _is_ipv6(self.hostname):
+            raise ValueError(
+                f"invalid host name {self.hostname!r}: only an IPv6 address may contain ':'; "
+                f"{_FORMS}"
+            )
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"host {self.hostname!r}: slots must be >= 1, got {self.slots}")
 
 
+def _host_and_slots(token: str) -> HostInfo:
+    """``host``, ``host:N`` or a whole IPv6 address."""
+    if ":" not in token or _is_ipv6(token):
+        return HostInfo(token)
+    name, _, slots = token.partition(":")
+    if name and ":" not in slots and slots.isdigit():
+        return HostInfo(name, int(slots))
+    raise ValueError(
+        f"{_FORMS}, got {token!r} (after 'host:' comes one whole number, the slot count; "
+        "an IPv6 address takes its slots as 'slots=N')"
+    )
+
+
 def _parse_line(text: str) -> HostInfo:
     parts = text.split()
-    if len(parts) == 1 and parts[0].count(":") == 1 and parts[0].split(":")[1].isdigit():
-        name, slots = parts[0].split(":")
-        return HostInfo(name, int(slots))
     if len(parts) == 1:
-        return HostInfo(parts[0])
+        return _host_and_slots(parts[0])
     if len(parts) == 2:
         found = _SLOTS_RE.match(parts[1])
         if found is None:
             raise ValueError(f"expected 'slots=N' after the host name, got {parts[1]!r}")
         return HostInfo(parts[0], int(found.group(1)))
-    raise ValueError(f"expected 'host', 'host slots=N' or 'host:N', got {text!r}")
+    raise ValueError(f"{_FORMS}, got {text!r}")
 
 
 def parse_hostfile(path: str | Path) -> list[HostInfo]:
@@ -82,7 +111,8 @@ def parse_hostfile(path: str | Path) -> list[HostInfo]:
         try:
             host = _parse_line(text)
         except ValueError as exc:
-            errors.append(f"  line {number}: {exc}")
+            shown = "" if repr(text) in str(exc) else f" (line: {text!r})"
+            errors.append(f"  line {number}: {exc}{shown}")
             continue
         if host.hostname in seen:
             errors.append(

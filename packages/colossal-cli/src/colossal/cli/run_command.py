@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import importlib.machinery
+import importlib.util
+import os
 import shlex
+import sys
 from dataclasses import dataclass
 
 import click
@@ -18,7 +22,7 @@ from colossal.cli.launch_command import (
 )
 from colossal.cli.node_runner import run_local, run_nodes
 
-__all__ = ["LaunchPlan", "misplaced_option_error", "plan_launch", "run"]
+__all__ = ["LaunchPlan", "check_user_script", "misplaced_option_error", "plan_launch", "run"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,72 @@ def plan_launch(
     return LaunchPlan(None, nodes)
 
 
+def _module_found(name: str, cwd: str) -> bool:
+    """Whether ``python -m name`` run in ``cwd`` finds the top-level package of ``name``.
+
+    Only the top-level name is looked up, so nothing of the user's is imported.
+    """
+    top = name.split(".", 1)[0]
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return True
+    except (ImportError, ValueError):
+        pass
+    # `python -m` puts the working directory first on sys.path; this process may not have it.
+    return importlib.machinery.PathFinder.find_spec(top, [cwd, *sys.path]) is not None
+
+
+def check_user_script(user_script: str, module: bool = False, cwd: str | None = None) -> None:
+    """Check that what ``colossal run`` would start exists, before any process is started.
+
+    A script must be a file (or a directory with ``__main__.py``, which Python also runs),
+    relative to ``cwd``; every node of a multi-node job runs in that same directory. With
+    ``module`` (``-m``) the name must be a dotted module name whose top-level package this
+    Python can find from ``cwd``.
+
+    Args:
+        user_script: The script path, or the module name with ``module``.
+        module: ``colossal run -m``.
+        cwd: Directory the job runs in (the current one by default).
+
+    Raises:
+        FileNotFoundError: The script or module does not exist; the message names the path.
+        ValueError: The script is a directory without ``__main__.py``, or ``module`` is set
+            and the name is not a dotted module name.
+    """
+    cwd = os.getcwd() if cwd is None else cwd
+    if module:
+        if not all(part.isidentifier() for part in user_script.split(".")):
+            raise ValueError(
+                f"-m {user_script!r} is not a module name (dotted identifiers such as "
+                "pkg.train); to run a file, drop -m: colossal run train.py"
+            )
+        if not _module_found(user_script, cwd):
+            raise FileNotFoundError(
+                f"-m {user_script!r}: no module {user_script.split('.')[0]!r} in {cwd!r} or "
+                "on this Python's sys.path; nothing was started"
+            )
+        return
+    path = os.path.join(cwd, os.path.expanduser(user_script))
+    if os.path.isfile(path):
+        return
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "__main__.py")):
+            return
+        raise ValueError(
+            f"script {user_script!r} is a directory ({os.path.abspath(path)}) without "
+            "__main__.py; give the training script's path, e.g. "
+            f"colossal run {os.path.join(user_script, 'train.py')}"
+        )
+    hint = ""
+    if not user_script.endswith(".py") and all(p.isidentifier() for p in user_script.split(".")):
+        hint = f"; to run the module {user_script!r}, add -m: colossal run -m {user_script}"
+    raise FileNotFoundError(
+        f"script {user_script!r} does not exist (looked for {os.path.abspath(path)}); "
+        f"nothing was started{hint}"
+    )
+
+
 def misplaced_option_error(user_script: str, known_options: list[str]) -> str | None:
     """The usage error for a "script" that is really a mistyped option, else None.
 
@@ -155,7 +225,8 @@ def misplaced_option_error(user_script: str, known_options: list[str]) -> str | 
 @click.option("--extra_launch_args", "--extra-launch-args",
               help="More torchrun options as key=value[,key=value].")  # fmt: skip
 @click.option("-m", "module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
-@click.option("--dry_run", "--dry-run", is_flag=True, help="Print the commands, start nothing.")
+@click.option("--dry_run", "--dry-run", is_flag=True,
+              help="Print the commands, start nothing (the script is not checked).")  # fmt: skip
 @click.argument("user_script")
 @click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
 def run(
@@ -174,7 +245,11 @@ def run(
     user_script: str,
     user_args: tuple[str, ...],
 ) -> None:
-    """Click entry point of ``colossal run`` (see :func:`plan_launch`)."""
+    """Click entry point of ``colossal run`` (see :func:`plan_launch`).
+
+    The options are checked first, then (unless ``--dry_run``) that the script or module
+    exists (:func:`check_user_script`); only then is any process started.
+    """
     command = click.get_current_context().command
     known = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
     error = misplaced_option_error(user_script, known)
@@ -189,6 +264,11 @@ def run(
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
+    if not dry_run:
+        try:
+            check_user_script(user_script, module)
+        except (ValueError, FileNotFoundError) as exc:
+            raise click.UsageError(str(exc)) from None
     if dry_run:
         if plan.local is not None:
             click.echo(shlex.join(plan.local))

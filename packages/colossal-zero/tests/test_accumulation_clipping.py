@@ -6,6 +6,7 @@ import pytest
 import torch
 from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
+from colossal.core.comm import CommTracker
 from colossal.core.testing import distributed_test, relative_error
 from colossal.zero import LowLevelZeroOptimizer
 
@@ -36,6 +37,36 @@ def test_no_sync_accumulation_stage1(rank: int, world_size: int, kind: str) -> N
     _, ref = reference(STEPS, kind=kind)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert relative_error(p, q) <= 1e-5
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@distributed_test(2)
+def test_no_sync_does_not_communicate(rank: int, world_size: int, overlap: bool) -> None:
+    # Catches a no_sync that still reduces (it would also pass the accumulation test above:
+    # a reduction of the first micro-batch only changes when, not what, is averaged).
+    model = make_model()
+    opt = LowLevelZeroOptimizer(
+        make_optimizer(model), reduce_bucket_size=64, overlap_communication=overlap
+    )
+    numel = sum(p.numel() for p in model.parameters())
+    (x0, y0), (x1, y1) = _micro_batches(0, rank, world_size)
+    opt.zero_grad()
+    with CommTracker() as accumulating:
+        with opt.no_sync():
+            opt.backward(loss_fn(model, x0, y0) / 2)
+            opt.backward(loss_fn(model, x1, y1) / 4)
+    assert (accumulating.calls(), accumulating.bytes()) == (0, 0), accumulating.table()
+    with CommTracker() as synced:
+        opt.backward(loss_fn(model, x1, y1) / 4)
+    # One all-reduce per bucket, of every gradient once (stage 1 keeps full gradients).
+    assert synced.calls() == synced.calls("all_reduce") == len(opt.buckets), synced.table()
+    assert synced.bytes("all_reduce") == 4 * numel, synced.table()
+    with CommTracker() as stepping:
+        opt.step()
+    # The step gathers the updated parameters (and agrees on the norm); it reduces nothing.
+    assert stepping.calls("all_gather") == len(opt.buckets), stepping.table()
+    assert stepping.bytes("all_gather") == 4 * numel, stepping.table()
+    assert stepping.bytes("all_reduce") <= 8, stepping.table()
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -39,7 +39,14 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """Two groups of different hyper-parameters (no decay on biases).
 
-    ``"sgd"`` (momentum) is sensitive to the gradients' scale, which Adam is not.
+    ``kind``:
+
+    - ``"adamw"``: AdamW, nearly blind to the gradients' scale.
+    - ``"sgd"``: SGD with momentum, sensitive to the gradients' scale.
+    - ``"sgd_plain"``: SGD without momentum: each step moves by exactly ``lr * grad``, so a
+      wrongly scaled gradient (e.g. an fp16 loss scale left in) shows in every step.
+    - ``"adamw_eps"``: AdamW with ``eps=1e-3``, of the order of the clipped gradients, so
+      that their scale (not only their direction) changes the update.
     """
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
@@ -49,6 +56,12 @@ def make_optimizer(
     ]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr * 10, momentum=0.9)
+    if kind == "sgd_plain":
+        return torch.optim.SGD(groups, lr=lr * 10)
+    if kind == "adamw_eps":
+        return torch.optim.AdamW(groups, lr=lr, eps=1e-3)
+    if kind != "adamw":
+        raise ValueError(f"kind={kind!r}: use 'adamw', 'sgd', 'sgd_plain' or 'adamw_eps'")
     return torch.optim.AdamW(groups, lr=lr)
 
 
@@ -70,14 +83,18 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: bool) -> t
 
 
 def reference(
-    steps: int, clip: float = 0.0, kind: str = "adamw", norms: list[float] | None = None
+    steps: int,
+    clip: float = 0.0,
+    kind: str = "adamw",
+    norms: list[float] | None = None,
+    lr: float = 1e-2,
 ) -> tuple[list[float], nn.Module]:
     """Single process, fp32, the whole global batch: losses and the final model.
 
     The gradient norm of each step is appended to ``norms`` when given.
     """
     model = make_model()
-    opt = make_optimizer(model, kind=kind)
+    opt = make_optimizer(model, lr=lr, kind=kind)
     losses = []
     for step in range(steps):
         x, y = batch(step)

@@ -16,12 +16,24 @@ from typing import Any
 
 from colossal.booster.__about__ import __version__
 from colossal.booster.booster import Booster
-from colossal.booster.mixed_precision import MixedPrecision
+from colossal.booster.mixed_precision import (
+    BF16MixedPrecision,
+    FP8MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+    MixedPrecision,
+)
 from colossal.booster.plugin import DPPluginBase, Plugin
 
 __all__ = [
+    "BF16MixedPrecision",
     "Booster",
     "DPPluginBase",
+    "FP8MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LowLevelZeroPlugin",
     "MixedPrecision",
     "Plugin",

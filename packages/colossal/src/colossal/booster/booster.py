@@ -12,7 +12,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.booster.mixed_precision import MixedPrecision
+from colossal.booster.mixed_precision import (
+    SUPPORTED_MIXED_PRECISION,
+    MixedPrecision,
+    mixed_precision_factory,
+)
 from colossal.booster.plugin.base import Plugin
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import record_param_names
@@ -27,16 +31,10 @@ def _parse_mixed_precision(value: str | MixedPrecision | None) -> MixedPrecision
     if value is None or isinstance(value, MixedPrecision):
         return value
     if isinstance(value, str):
-        if value == "fp32":
-            return None
-        if value not in ("fp16", "bf16"):
-            raise ValueError(
-                f"mixed_precision={value!r} is not supported; use 'fp16', 'bf16', None "
-                "or a MixedPrecision(...)"
-            )
-        return MixedPrecision(value)
+        return mixed_precision_factory(value)
     raise TypeError(
-        f"mixed_precision must be a str, MixedPrecision or None, got {type(value).__name__}"
+        f"mixed_precision must be a str, MixedPrecision or None, got {type(value).__name__}; "
+        f"supported: {SUPPORTED_MIXED_PRECISION}"
     )
 
 
@@ -46,8 +44,9 @@ class Booster:
     Args:
         device: Ignored unless no plugin is given (then the model is moved there); the
             accelerator's device by default.
-        mixed_precision: ``"fp16"``, ``"bf16"``, a :class:`MixedPrecision`, or None. Only for
-            plugins that do not control precision (e.g. ``TorchDDPPlugin``).
+        mixed_precision: ``"fp16"``, ``"bf16"``, ``"fp16_naive"``, ``"fp32"``/None, or a
+            :class:`MixedPrecision` (e.g. ColossalAI's ``FP16TorchMixedPrecision(...)``).
+            Only for plugins that do not control precision (e.g. ``TorchDDPPlugin``).
         plugin: The parallelism plugin; None trains the plain model.
 
     Raises:

@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from colossal.booster.plugin.dataloader import build_dataloader
+from colossal.core import ParallelDims
 from colossal.lazy import LazyInitContext, is_lazy
 
 if TYPE_CHECKING:
@@ -108,22 +109,43 @@ class Plugin(abc.ABC):
 class DPPluginBase(Plugin):
     """A data-parallel plugin: every rank of the group sees a different part of the data.
 
+    The plugin's groups come from one :class:`~colossal.core.ParallelDims`
+    (``self.parallel_dims``): everything data parallel over the whole job by default, or over
+    the given ``dp_group``; ``self.dp_group`` is its ``group("dp")`` (the default group when
+    it spans the job).
+
     Args:
         dp_group: The data-parallel process group (the whole job when ``None``).
+        parallel_dims: The job's parallel layout, for plugins built on more axes than dp
+            (then ``dp_group`` must be None).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
+        ValueError: Both ``dp_group`` and ``parallel_dims`` are given.
     """
 
-    def __init__(self, dp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        dp_group: dist.ProcessGroup | None = None,
+        *,
+        parallel_dims: ParallelDims | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 f"{type(self).__name__} needs torch.distributed initialized first: call "
                 "colossal.core.launch_from_torch() (under torchrun) or launch(...)"
             )
-        self.dp_group = dp_group
-        self.rank = dist.get_rank(dp_group)
-        self.world_size = dist.get_world_size(dp_group)
+        if parallel_dims is not None and dp_group is not None:
+            raise ValueError(
+                f"{type(self).__name__}: pass dp_group or parallel_dims, not both (the dp "
+                "group is parallel_dims.group('dp'))"
+            )
+        if parallel_dims is None:
+            parallel_dims = ParallelDims.data_parallel(group=dp_group)
+        self.parallel_dims = parallel_dims
+        self.dp_group = parallel_dims.group("dp")
+        self.rank = parallel_dims.coordinate("dp")
+        self.world_size = parallel_dims.dp
 
     def prepare_dataloader(
         self,

@@ -21,7 +21,7 @@ from colossal.booster.plugin.base import DPPluginBase, materialize_model
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import record_param_names
-from colossal.core import ModelWrapper, get_accelerator, parse_precision
+from colossal.core import ModelWrapper, ScalerConfig, get_accelerator, parse_precision
 from colossal.zero import LowLevelZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class ZeroPluginConfig:
     norm_type: float = 2.0
     reduce_bucket_size_in_m: float = 12
     cpu_offload: bool = False
+    scaler_config: ScalerConfig = dataclasses.field(default_factory=ScalerConfig)
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -101,7 +102,8 @@ class LowLevelZeroPlugin(DPPluginBase):
         cpu_offload: Keep masters, their gradients and optimizer states on the CPU.
         master_weights: Keep fp32 master weights under fp16/bf16.
         verbose: Log overflows.
-        dp_group: The data-parallel group (the whole job when None).
+        dp_group: The data-parallel group (the whole job when None); ZeRO shards over
+            ``self.parallel_dims.group("dp")``.
     """
 
     def __init__(
@@ -133,17 +135,20 @@ class LowLevelZeroPlugin(DPPluginBase):
             float(norm_type),
             reduce_bucket_size_in_m,
             cpu_offload,
+            ScalerConfig(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+            ),
         )
         self.zero_kwargs = {
             "partition_grad": stage == 2,
-            "dp_process_group": dp_group,
-            "initial_scale": initial_scale,
-            "min_scale": min_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "hysteresis": hysteresis,
-            "max_scale": max_scale,
+            "dp_process_group": self.dp_group,
+            "scaler_config": self.config.scaler_config,
             "clip_grad_norm": float(max_norm),
             "norm_type": float(norm_type),
             "reduce_bucket_size": int(reduce_bucket_size_in_m * 1024**2),
@@ -153,7 +158,7 @@ class LowLevelZeroPlugin(DPPluginBase):
             "master_weights": master_weights,
             "verbose": verbose,
         }
-        self._checkpoint_io = ZeroCheckpointIO(dp_group)
+        self._checkpoint_io = ZeroCheckpointIO(self.dp_group)
 
     @property
     def stage(self) -> int:

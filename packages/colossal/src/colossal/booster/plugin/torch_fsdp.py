@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
@@ -228,7 +228,7 @@ class TorchFSDPPlugin(DPPluginBase):
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.offload_policy = offload_policy or OffloadPolicy()
-        self._checkpoint_io = FSDPCheckpointIO(dp_group)
+        self._checkpoint_io = FSDPCheckpointIO(self.dp_group)
 
     def supported_devices(self) -> list[str]:
         """CPU (gloo) and CUDA."""
@@ -247,10 +247,9 @@ class TorchFSDPPlugin(DPPluginBase):
         return True
 
     def _mesh(self) -> DeviceMesh:
+        """The 1-D DeviceMesh over ``self.parallel_dims.group("dp")`` (creates no group)."""
         device_type = get_accelerator().get_current_device().type
-        if self.dp_group is None:
-            return init_device_mesh(device_type, (dist.get_world_size(),))
-        return DeviceMesh.from_group(self.dp_group, device_type)
+        return DeviceMesh.from_group(self.parallel_dims.group("dp"), device_type)
 
     def configure(
         self,

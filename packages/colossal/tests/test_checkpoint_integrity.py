@@ -1,4 +1,4 @@
-"""Checkpoint integrity: checksums shared over ranks, crash-safe swap, kill mid-write."""
+"""Checkpoint integrity: checksums shared over ranks, crash-safe commit, kill mid-write."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from booster_testlib import make_booster, make_model
 from torch import nn
 
-import colossal.checkpoint_io.commit as commit_mod
+import colossal.checkpoint_io.durable as durable_mod
 import colossal.checkpoint_io.index as index_mod
+import colossal.checkpoint_io.saver as saver_mod
 from colossal.booster import Booster
 from colossal.checkpoint_io import MODEL_INDEX, CheckpointError
 from colossal.core.testing import spawn
@@ -112,7 +113,17 @@ def test_single_process_verifies_every_file(tmp_path, monkeypatch) -> None:
     assert read == files
 
 
-# ---- the directory swap: a complete checkpoint is loadable at every instant -------------------
+# ---- the index is the commit point: a complete checkpoint is loadable at every instant -------
+
+
+class _Config:
+    """A Hugging Face-like config, so that the save also writes ``config.json``."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def to_json_string(self) -> str:
+        return json.dumps({"value": self.value})
 
 
 def _linear(value: float) -> nn.Module:
@@ -120,13 +131,14 @@ def _linear(value: float) -> nn.Module:
     with torch.no_grad():
         model.weight.fill_(value)
         model.bias.fill_(value)
+    model.config = _Config(value)
     return model
 
 
-def _save(path: str, value: float) -> None:
+def _save(path: str, value: float, shard_mb: float = 1024) -> None:
     booster = Booster()
     model, *_ = booster.boost(_linear(value))
-    booster.save_model(model, path)
+    booster.save_model(model, path, shard=True, size_per_shard=shard_mb)
 
 
 def _loaded_value(path: str) -> float:
@@ -137,34 +149,51 @@ def _loaded_value(path: str) -> float:
     return float(values[0].detach())
 
 
+def _model_files(path: str) -> set[str]:
+    return {n for n in os.listdir(path) if n.startswith(("model", ".model", ".colossal-model"))}
+
+
+def _referenced(path: str) -> set[str]:
+    with open(os.path.join(path, MODEL_INDEX)) as file:
+        return set(json.load(file)["weight_map"].values()) | {MODEL_INDEX}
+
+
 class _CrashError(Exception):
     pass
 
 
 def _setup(root: str, state: str) -> str:
-    """A checkpoint (value 1) at ``path`` in ``state``, and a finished staging dir (value 2)."""
+    """A checkpoint (value 1) at ``path`` in ``state``, and a user file next to it."""
     if os.path.exists(root):
         shutil.rmtree(root)
     path = os.path.join(root, "ckpt")
+    os.makedirs(path)
+    with open(os.path.join(path, "notes.txt"), "w") as file:
+        file.write("mine")
+    if state == "empty":  # the first save into a directory of the user
+        return path
     _save(path, 1.0)
-    if state == "old-only":  # an earlier swap crashed between its two renames
-        os.replace(path, path + ".colossal-old")
-    elif state == "main-and-old":  # an earlier swap crashed before deleting the old one
-        _save(os.path.join(root, "older"), 0.5)
-        os.replace(os.path.join(root, "older"), path + ".colossal-old")
-    elif state == "main-and-trash":
-        _save(os.path.join(root, "trash"), 0.5)
-        os.replace(os.path.join(root, "trash"), path + ".colossal-trash")
-    _save(os.path.join(root, "new"), 2.0)
-    os.replace(os.path.join(root, "new"), path + ".colossal-tmp")
+    if state == "after-alternate":  # the current checkpoint uses the alternate names
+        _save(path, 0.5)
+        _save(path, 1.0)
+    elif state == "leftovers":  # an earlier save crashed after writing a shard and its meta
+        with open(os.path.join(path, "model-00001-of-00001.safetensors"), "wb") as file:
+            file.write(b"garbage")
+        with open(os.path.join(path, ".model.safetensors.0123456789ab.tmp"), "wb") as file:
+            file.write(b"half a file")
+        os.makedirs(os.path.join(path, ".colossal-model-save"))
+        with open(os.path.join(path, ".colossal-model-save", "rank0.meta.json"), "w") as file:
+            file.write("{}")
     return path
 
 
-@pytest.mark.parametrize("state", ["main", "old-only", "main-and-old", "main-and-trash"])
-def test_swap_is_crash_safe_at_every_step(tmp_path, monkeypatch, state) -> None:
-    rename, remove = commit_mod._rename, commit_mod._remove
+@pytest.mark.parametrize("shard_mb", [1024, 0.00005])
+@pytest.mark.parametrize("state", ["empty", "main", "after-alternate", "leftovers"])
+def test_commit_is_crash_safe_at_every_step(tmp_path, monkeypatch, state, shard_mb) -> None:
+    """Crash at every rename and delete of a save: the old or the new checkpoint loads."""
+    replace, remove = durable_mod.replace, durable_mod.remove
     outcomes = []
-    for crash_at in range(20):
+    for crash_at in range(30):
         path = _setup(str(tmp_path / "root"), state)
         count = [0]
 
@@ -174,54 +203,69 @@ def test_swap_is_crash_safe_at_every_step(tmp_path, monkeypatch, state) -> None:
             count[0] += 1
             return fn(*args)
 
-        monkeypatch.setattr(commit_mod, "_rename", lambda *a: step(rename, *a))
-        monkeypatch.setattr(commit_mod, "_remove", lambda *a: step(remove, *a))
+        monkeypatch.setattr(durable_mod, "replace", lambda *a: step(replace, *a))
+        monkeypatch.setattr(durable_mod, "remove", lambda *a: step(remove, *a))
         try:
-            commit_mod.commit_directory(path)
+            _save(path, 2.0, shard_mb)
             crashed = False
         except _CrashError:
             crashed = True
-        monkeypatch.setattr(commit_mod, "_rename", rename)
-        monkeypatch.setattr(commit_mod, "_remove", remove)
-        value = _loaded_value(path)  # the old or the new checkpoint, never nothing
+        monkeypatch.setattr(durable_mod, "replace", replace)
+        monkeypatch.setattr(durable_mod, "remove", remove)
+        if state == "empty" and not os.path.exists(os.path.join(path, MODEL_INDEX)):
+            with pytest.raises(CheckpointError, match="interrupted|holds no model checkpoint"):
+                _loaded_value(path)
+            value = 1.0  # nothing was committed, and nothing is loaded
+        else:
+            value = _loaded_value(path)  # the old or the new checkpoint, never a mix
         assert value in (1.0, 2.0), (state, crash_at, value)
         outcomes.append(value)
-        _save(path, 3.0)  # the next save recovers from whatever was left
+        _save(path, 3.0, shard_mb)  # the next save recovers from whatever was left
         assert _loaded_value(path) == 3.0
-        leftovers = [n for n in os.listdir(tmp_path / "root") if n.startswith("ckpt.")]
-        assert leftovers == [], leftovers
+        with open(os.path.join(path, "config.json")) as file:
+            assert json.load(file)["value"] == 3.0
+        assert _model_files(path) == _referenced(path)  # stale shards and leftovers are gone
+        assert set(os.listdir(path)) == _referenced(path) | {"config.json", "notes.txt"}
         if not crashed:
             break
     else:
-        pytest.fail("commit_directory never finished")
+        pytest.fail("the save never finished")
     assert outcomes[0] == 1.0 and outcomes[-1] == 2.0 and len(outcomes) > 2
 
 
-def test_leftover_old_without_main_loads_old(tmp_path) -> None:
+def test_leftover_old_of_the_directory_swap_loads(tmp_path) -> None:
+    """A ``.colossal-old`` left by the directory swap of earlier versions still loads."""
     path = str(tmp_path / "ckpt")
     _save(path, 1.0)
     os.replace(path, path + ".colossal-old")
     assert _loaded_value(path) == 1.0
     _save(path, 2.0)
     assert _loaded_value(path) == 2.0
-    assert not os.path.exists(path + ".colossal-old")
 
 
-def test_leftover_staging_is_ignored(tmp_path) -> None:
+def test_interrupted_save_is_ignored(tmp_path, monkeypatch) -> None:
+    """Shards written but never committed: the loader keeps to the committed index."""
     path = str(tmp_path / "ckpt")
 
-    def leave_staging() -> None:  # a complete save of other values that was never committed
-        _save(str(tmp_path / "other"), 5.0)
-        os.replace(tmp_path / "other", path + ".colossal-tmp")
+    def interrupted_save(value: float) -> None:  # every shard written, the index never
+        monkeypatch.setattr(saver_mod, "commit_index", _crash)
+        with pytest.raises(_CrashError):
+            _save(path, value)
+        monkeypatch.undo()
 
-    leave_staging()
-    with pytest.raises(FileNotFoundError, match="interrupted"):
+    interrupted_save(5.0)
+    with pytest.raises(CheckpointError, match="interrupted"):
         _loaded_value(path)
     _save(path, 1.0)
-    leave_staging()
+    interrupted_save(5.0)
     assert _loaded_value(path) == 1.0
-    _save(path, 2.0)  # replaces the leftover staging directory
+    _save(path, 2.0)  # replaces the leftovers of the interrupted save
     assert _loaded_value(path) == 2.0
+    assert _model_files(path) == _referenced(path)
+
+
+def _crash(*args: object) -> None:
+    raise _CrashError
 
 
 # ---- kill the writer mid-write ----------------------------------------------------------------
@@ -271,11 +315,10 @@ def test_kill_mid_write_keeps_old_checkpoint(tmp_path, mode) -> None:
         [sys.executable, "-c", _KILL_MID_WRITE, path, mode], env=env, check=False, timeout=300
     )
     assert done.returncode == 17, "the writer was not killed mid-write"
-    staging = path + ".colossal-tmp"
     partial = {
-        name: os.path.getsize(os.path.join(staging, name))
-        for name in os.listdir(staging)
-        if name.endswith(".tmp") and ".model-" in name
+        name: os.path.getsize(os.path.join(path, name))
+        for name in os.listdir(path)
+        if name.endswith(".tmp") and name.startswith(".model-")
     }
     full = 1024 * 1024 * 4
     assert any(0 < size < full for size in partial.values()), partial  # killed mid-file
@@ -289,4 +332,4 @@ def test_kill_mid_write_keeps_old_checkpoint(tmp_path, mode) -> None:
     booster.save_model(boosted, path, shard=True, size_per_shard=1)
     booster.load_model(fresh, path)
     assert torch.all(fresh.weight == 3.0)
-    assert not os.path.exists(staging)
+    assert not [n for n in os.listdir(path) if n.startswith(".")]  # the leftovers are gone

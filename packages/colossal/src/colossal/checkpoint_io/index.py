@@ -28,7 +28,6 @@ __all__ = [
     "plan_shards",
     "read_index",
     "shard_file_names",
-    "write_json_atomic",
 ]
 
 FORMAT_VERSION = 1
@@ -117,16 +116,6 @@ def _uint8() -> Any:
     import torch
 
     return torch.uint8
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to ``path`` via a temporary file, fsync and rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as file:
-        json.dump(obj, file, indent=2, sort_keys=False)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
 
 
 def read_index(

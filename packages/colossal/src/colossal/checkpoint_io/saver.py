@@ -1,11 +1,12 @@
-"""Spread a save of named full tensors over the ranks, sync or async, into a staging dir.
+"""Spread a save of named full tensors over the ranks, sync or async, into a shared directory.
 
 Every rank plans the same shards; each shard is written by the rank that has written the
-fewest bytes so far (the same choice on every rank). When its
-files are durable a rank records their sizes and checksums in ``rank<r>.meta.json``; rank 0
-waits for all of them, writes the index and swaps the directory in (:mod:`.commit`). With
-``use_async`` the tensors are snapshotted to CPU and all of this happens in the background;
-tensors named in ``background`` are even snapshotted on a background thread, and
+fewest bytes so far (the same choice on every rank), straight into the checkpoint directory
+under names the current checkpoint of that kind does not use (:mod:`.commit`). When its
+files are durable a rank records their sizes and checksums in ``rank<r>.meta.json`` in the
+kind's hidden staging folder; rank 0 waits for all of them and commits by replacing the
+index. With ``use_async`` the tensors are snapshotted to CPU and all of this happens in the
+background; tensors named in ``background`` are even snapshotted on a background thread, and
 :meth:`ShardedSaver.wait_snapshots` is the fence before anything may modify them.
 """
 
@@ -25,15 +26,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colossal.checkpoint_io.commit import commit_directory, staging_directory
+from colossal.checkpoint_io import durable
+from colossal.checkpoint_io.commit import (
+    choose_file_names,
+    commit_index,
+    prepare_directory,
+    staging_directory,
+)
 from colossal.checkpoint_io.index import (
     FORMAT_VERSION,
     CheckpointError,
     crc32_from_tensors,
     file_crc32,
     plan_shards,
-    shard_file_names,
-    write_json_atomic,
 )
 from colossal.core.comm import all_gather_object, barrier
 from colossal.core.io import AsyncTensorWriter, WriteHandle
@@ -100,45 +105,37 @@ class ShardedSaver:
         the directory, committed together with the tensors.
         """
         gather = gather or _identity
-        self._wait_for_path(path)  # an earlier save to the same path must be committed first
+        key = staging_directory(os.path.abspath(path), prefix)
+        self._wait_for_path(key)  # an earlier save of this kind here must be committed first
         rank, world = _rank_world(self.group)
-        staging = staging_directory(path)
-        if rank == 0:
-            if os.path.exists(staging):
-                shutil.rmtree(staging)
-            os.makedirs(staging)
-        if world > 1:
-            _check_shared_directory(staging, rank, self.group)
-        sizes = [(n, t.numel() * t.element_size()) for n, t in tensors.items()]
+        # Global sizes from shape and dtype: tensors and colossal.core.ShardedTensor alike.
+        sizes = [(n, math.prod(t.shape) * t.dtype.itemsize) for n, t in tensors.items()]
         limit = size_per_shard_mb * 1024**2
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
-        files = shard_file_names(prefix, len(shards))
+        # Rank 0 alone checks the directory and reads the committed index; all take its plan.
+        plan = _plan(path, prefix, index_name, len(shards)) if rank == 0 else None
+        if world > 1:
+            plan = all_gather_object(plan, self.group)[0]
+        if isinstance(plan, BaseException):
+            raise plan
+        assert isinstance(plan, dict)
+        staging, files = staging_directory(path, prefix), plan["files"]
+        if world > 1:
+            _check_shared_directory(path, plan["created"], staging, rank, self.group)
+        clash = sorted(set(extra_files or ()) & {*files, index_name})
+        if clash:
+            raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]] = []
         nbytes = dict(sizes)
         writers = self._assign([sum(nbytes[n] for n in names) for names in shards], world)
         for writer, file, names in zip(writers, files, shards, strict=True):
-            owner = writer == rank
-            part, fenced = {}, set()
-            for n in names:
-                full = gather(tensors[n], writer)  # may be collective: every rank, in order
-                if owner:
-                    part[n] = full.detach()
-                    if n in background or full is not tensors[n]:
-                        fenced.add(n)  # nothing changes it before wait_snapshots()
-            if not owner:
-                continue
-            in_background = use_async and bool(fenced)
-            if in_background:  # the others are copied now, the fenced ones later
-                part = {n: t if n in fenced else t.clone() for n, t in part.items()}
-            target = os.path.join(staging, file)
-            handle = self.writer.save(
-                part, target, {"format": "pt"}, copy=use_async, background_copy=in_background
+            handle, part = self._write_part(
+                tensors, names, writer, rank, os.path.join(path, file), gather, background,
+                use_async,
             )
-            if use_async:
-                self._snapshots.append(handle)
-            # Sync saves keep the tensors, so the checksum comes from memory, not a re-read.
-            handles.append((file, handle, None if use_async else part))
+            if handle is not None:  # sync saves checksum the tensors in memory, not a re-read
+                handles.append((file, handle, None if use_async else part))
         index = {
             "metadata": {
                 "format": "colossal",
@@ -149,19 +146,98 @@ class ShardedSaver:
             "weight_map": weight_map,
             **(dict(extra) if extra else {}),
         }
-        clash = sorted(set(extra_files or ()) & {*files, index_name})
-        if clash:
-            raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         texts = dict(extra_files) if rank == 0 and extra_files else {}
-        job = _Finalize(path, staging, index_name, index, handles, rank, world, texts)
+        job = _Finalize(path, staging, prefix, index_name, index, handles, rank, world, texts)
         if use_async:
             future = self._executor.submit(job)
             self._pending.append(future)
-            self._pending_paths[os.path.abspath(path)] = future
+            self._pending_paths[key] = future
         else:
             job()
             if world > 1:
                 barrier(self.group)
+
+    def _write_part(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        names: list[str],
+        writer: int,
+        rank: int,
+        target: str,
+        gather: Callable[[torch.Tensor, int], torch.Tensor | None],
+        background: Collection[str],
+        use_async: bool,
+    ) -> tuple[WriteHandle | None, dict[str, torch.Tensor]]:
+        """Gather ``names`` for ``writer`` (every rank, in order); the writer starts the file."""
+        part, fenced = {}, set()
+        for n in names:
+            full = gather(tensors[n], writer)  # may be collective: every rank, in order
+            if writer == rank:
+                assert full is not None
+                part[n] = full.detach()
+                if n in background or full is not tensors[n]:
+                    fenced.add(n)  # nothing changes it before wait_snapshots()
+        if writer != rank:
+            return None, part
+        in_background = use_async and bool(fenced)
+        if in_background:  # the others are copied now, the fenced ones later
+            part = {n: t if n in fenced else t.clone() for n, t in part.items()}
+        handle = self.writer.save(
+            part, target, {"format": "pt"}, copy=use_async, background_copy=in_background
+        )
+        if use_async:
+            self._snapshots.append(handle)
+        return handle, part
+
+    def save_file(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        path: str,
+        use_async: bool = False,
+        gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
+        background: Collection[str] = (),
+    ) -> None:
+        """Save ``tensors`` as the one safetensors file ``path``, written by rank 0.
+
+        Collective over the group; ``gather``, ``use_async`` and ``background`` as in
+        :meth:`save`. The file is replaced atomically (a temporary file, then a rename), and
+        nothing else next to it is touched.
+        """
+        key = os.path.abspath(path)
+        self._wait_for_path(key)
+        rank, world = _rank_world(self.group)
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                os.makedirs(os.path.dirname(key), exist_ok=True)
+            except OSError as err:
+                error = err
+        if world > 1:
+            error = all_gather_object(error, self.group)[0]
+        if error is not None:
+            raise error
+        handle, _ = self._write_part(
+            tensors, list(tensors), 0, rank, path, gather or _identity, background, use_async
+        )
+        if handle is None:
+            if not use_async and world > 1:
+                barrier(self.group)
+            return
+
+        def finish() -> None:
+            handle.wait()
+            logger.info("model saved to %s", path)
+
+        if use_async:
+            future = self._executor.submit(finish)
+            self._pending.append(future)
+            self._pending_paths[key] = future
+        else:
+            try:
+                finish()
+            finally:
+                if world > 1:
+                    barrier(self.group)
 
     def wait_snapshots(self) -> None:
         """Wait until async saves no longer read the caller's tensors (a local fence).
@@ -206,8 +282,8 @@ class ShardedSaver:
             writers.append(rank)
         return writers
 
-    def _wait_for_path(self, path: str) -> None:
-        future = self._pending_paths.pop(os.path.abspath(path), None)
+    def _wait_for_path(self, key: str) -> None:
+        future = self._pending_paths.pop(key, None)
         if future is not None:
             future.result()  # raises the earlier save's error here
 
@@ -225,12 +301,30 @@ class ShardedSaver:
             self._writer.close()
 
 
-def _check_shared_directory(staging: str, rank: int, group: dist.ProcessGroup | None) -> None:
+def _plan(path: str, prefix: str, index_name: str, count: int) -> dict[str, Any] | OSError:
+    """Rank 0's preparation: the directory, a fresh staging folder, the new file names.
+
+    Returns the error instead of raising it, so that every rank can raise it.
+    """
+    try:
+        created = prepare_directory(path)
+        staging = staging_directory(path, prefix)
+        durable.remove(staging)  # meta files of an interrupted save
+        os.makedirs(staging)
+    except OSError as err:
+        return err
+    return {"created": created, "files": choose_file_names(path, index_name, prefix, count)}
+
+
+def _check_shared_directory(
+    path: str, created: bool, staging: str, rank: int, group: dist.ProcessGroup | None
+) -> None:
     """Raise :class:`CheckpointError` on every rank unless all see rank 0's ``staging``.
 
-    Ranks write their files into the directory rank 0 created and rank 0 waits for them, so a
-    path that is not on a filesystem shared by the group would fail late (after a long
-    wait). Rank 0 leaves a random token there; every rank reads it back.
+    Ranks write their files into the directory rank 0 prepared and rank 0 waits for them, so
+    a path that is not on a filesystem shared by the group would fail late (after a long
+    wait). Rank 0 leaves a random token there; every rank reads it back. On failure rank 0
+    removes the staging folder, and ``path`` too if it ``created`` it and it is empty.
     """
     token_path = os.path.join(staging, ".shared-check")
     if rank == 0:
@@ -249,6 +343,8 @@ def _check_shared_directory(staging: str, rank: int, group: dist.ProcessGroup | 
     if missing:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+            if created and not os.listdir(path):
+                os.rmdir(path)
         raise CheckpointError(
             f"ranks {missing} do not see {staging!r}, which rank 0 created: a checkpoint saved "
             "by several ranks needs a path on a filesystem shared by all of them (e.g. NFS or "
@@ -261,12 +357,13 @@ def _identity(tensor: torch.Tensor, dst: int) -> torch.Tensor:
 
 
 class _Finalize:
-    """Wait for a rank's files, record their metadata; rank 0 writes the index and commits."""
+    """Wait for a rank's files, record their metadata; rank 0 writes the index (the commit)."""
 
     def __init__(
         self,
         path: str,
         staging: str,
+        prefix: str,
         index_name: str,
         index: dict[str, Any],
         handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]],
@@ -274,7 +371,7 @@ class _Finalize:
         world: int,
         texts: Mapping[str, str] | None = None,
     ) -> None:
-        self.path, self.staging, self.index_name = path, staging, index_name
+        self.path, self.staging, self.prefix, self.index_name = path, staging, prefix, index_name
         self.index, self.handles, self.rank, self.world = index, handles, rank, world
         self.texts = dict(texts or {})
 
@@ -284,27 +381,15 @@ class _Finalize:
             written = handle.wait()
             crc = crc32_from_tensors(written, tensors) if tensors is not None else None
             meta[file] = {"size": os.path.getsize(written), "crc32": crc or file_crc32(written)}
-        write_json_atomic(os.path.join(self.staging, f"rank{self.rank}.meta.json"), meta)
+        durable.write_json(os.path.join(self.staging, f"rank{self.rank}.meta.json"), meta)
         if self.rank != 0:
             return
         files: dict[str, Any] = {}
         for r in range(self.world):
             files.update(_wait_for_json(os.path.join(self.staging, f"rank{r}.meta.json")))
         self.index["metadata"]["files"] = dict(sorted(files.items()))
-        for name, text in self.texts.items():
-            _write_text(os.path.join(self.staging, name), text)
-        write_json_atomic(os.path.join(self.staging, self.index_name), self.index)
-        for r in range(self.world):
-            os.remove(os.path.join(self.staging, f"rank{r}.meta.json"))
-        commit_directory(self.path)
-        logger.info("checkpoint saved to %s", self.path)
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
+        commit_index(self.path, self.index_name, self.index, self.prefix, self.texts)
+        logger.info("%s checkpoint saved to %s", self.prefix, self.path)
 
 
 def _wait_for_json(path: str, timeout: float = META_WAIT_SECONDS) -> dict[str, Any]:

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.commit import resolve_directory
 from colossal.checkpoint_io.hf_config import hf_config_files
-from colossal.checkpoint_io.index import CheckpointError, read_index, write_json_atomic
+from colossal.checkpoint_io.index import CheckpointError, read_index
 from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.reader import TensorReader
@@ -236,22 +237,28 @@ class CheckpointIO:
 
     # ---- lr scheduler ----------------------------------------------------------------------
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
-        """Save the scheduler's state as JSON (rank 0 writes; collective)."""
+        """Save the scheduler's state as JSON (rank 0 writes; collective).
+
+        ``checkpoint`` is the JSON file, or a directory (e.g. the one holding the model and
+        optimizer) to write ``lr_scheduler.json`` into; nothing else in it is touched.
+        """
         state = lr_scheduler.state_dict()
+        target = _scheduler_file(checkpoint)
 
         def write() -> None:
-            os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)
-            write_json_atomic(checkpoint, _to_json(state))
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+            durable.write_json(target, _to_json(state))
 
         run_on_rank0(write, self.group)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
-        """Load a scheduler state saved by :meth:`save_lr_scheduler`."""
+        """Load a scheduler state saved by :meth:`save_lr_scheduler` (file or directory)."""
         import json
 
-        if not os.path.isfile(checkpoint):
-            raise FileNotFoundError(f"no lr scheduler checkpoint at {checkpoint!r}")
-        with open(checkpoint, encoding="utf-8") as file:
+        target = _scheduler_file(checkpoint)
+        if not os.path.isfile(target):
+            raise FileNotFoundError(f"no lr scheduler checkpoint at {target!r}")
+        with open(target, encoding="utf-8") as file:
             lr_scheduler.load_state_dict(json.load(file))
 
     # ---- async -----------------------------------------------------------------------------
@@ -265,6 +272,13 @@ class CheckpointIO:
     def synchronize(self) -> None:
         """Wait until every async save has been committed on every rank (collective)."""
         self.saver.synchronize()
+
+
+def _scheduler_file(checkpoint: str) -> str:
+    """The scheduler's JSON file for ``checkpoint`` (a file, or a directory to put it in)."""
+    if os.path.isdir(checkpoint) or checkpoint.endswith(("/", os.sep)):
+        return os.path.join(checkpoint, SCHEDULER_FILE)
+    return checkpoint
 
 
 def _global_shape(t: torch.Tensor) -> torch.Size:

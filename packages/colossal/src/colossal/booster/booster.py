@@ -200,6 +200,74 @@ class Booster:
             )
         return self.plugin.no_sync(model, optimizer)  # type: ignore[arg-type]
 
+    # ---- LoRA ------------------------------------------------------------------------------
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Add LoRA adapters (``peft``) to ``model``; call before :meth:`boost`.
+
+        The base weights are frozen and only the adapters train. Build the optimizer after
+        this call from the returned model's parameters: frozen ones get no gradient, so the
+        optimizer skips them (and ZeRO neither shards them nor keeps masters for them).
+
+        Args:
+            model: The plain model (not boosted yet).
+            pretrained_dir: Load a saved adapter from this directory (trainable) instead of
+                creating new ones.
+            lora_config: A ``peft.LoraConfig`` for new adapters.
+            bnb_quantization_config: Refused (QLoRA needs bitsandbytes and CUDA).
+            quantize: Refused when True.
+
+        Returns:
+            The ``peft.PeftModel`` to boost.
+
+        Raises:
+            ValueError: The model was boosted already, quantization is asked, or neither
+                ``lora_config`` nor ``pretrained_dir`` is given.
+            NotImplementedError: The plugin does not support LoRA.
+
+        Example:
+            >>> model = booster.enable_lora(model, lora_config=peft.LoraConfig(
+            ...     r=8, target_modules=["c_attn"]))
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            >>> model, optimizer, *_ = booster.boost(model, optimizer)
+        """
+        if isinstance(model, ModelWrapper) or model in self._boosted:
+            raise ValueError(
+                f"enable_lora got a boosted {type(model).__name__}; call "
+                "booster.enable_lora(model, ...) before booster.boost and boost what it returns"
+            )
+        if self.plugin is not None:
+            return self.plugin.enable_lora(
+                model, pretrained_dir, lora_config, bnb_quantization_config, quantize
+            )
+        from colossal.booster.plugin.lora import enable_lora
+
+        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """Save the LoRA adapter of a boosted model for ``peft`` (collective).
+
+        Writes ``adapter_config.json`` and ``adapter_model.bin`` (or
+        ``adapter_model.safetensors``) on the first rank, from full tensors (FSDP shards are
+        gathered); ``peft.PeftModel.from_pretrained(base_model, checkpoint)`` loads it.
+
+        Raises:
+            ValueError: The model has no LoRA adapter (see :meth:`enable_lora`).
+        """
+        from colossal.booster.plugin.lora import save_lora_as_pretrained
+
+        save_lora_as_pretrained(
+            model, checkpoint, use_safetensors, group=getattr(self.checkpoint_io, "group", None)
+        )
+
     # ---- checkpoints -----------------------------------------------------------------------
     def save_model(
         self,

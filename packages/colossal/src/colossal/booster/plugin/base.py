@@ -52,8 +52,30 @@ class Plugin(abc.ABC):
         """Whether :meth:`no_sync` (gradient accumulation without communication) works."""
 
     def support_lora(self) -> bool:
-        """Whether LoRA is supported (not yet by any plugin)."""
+        """Whether :meth:`enable_lora` (peft LoRA adapters) works with this plugin."""
         return False
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Add peft LoRA adapters to ``model`` before boost (see ``Booster.enable_lora``).
+
+        Raises:
+            NotImplementedError: The plugin does not support LoRA.
+        """
+        if not self.support_lora():
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support LoRA; use TorchDDPPlugin, "
+                "LowLevelZeroPlugin or TorchFSDPPlugin"
+            )
+        from colossal.booster.plugin.lora import enable_lora
+
+        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def control_checkpoint_io(self) -> bool:
         """Whether the plugin provides its own checkpoint IO."""

@@ -181,6 +181,10 @@ class LowLevelZeroPlugin(DPPluginBase):
         """Stage 1 only."""
         return self.config.stage == 1
 
+    def support_lora(self) -> bool:
+        """True: ``Booster.enable_lora`` (peft); frozen base weights get no gradient."""
+        return True
+
     def configure(
         self,
         model: nn.Module,

@@ -116,6 +116,10 @@ class TorchDDPPlugin(DPPluginBase):
         """True."""
         return True
 
+    def support_lora(self) -> bool:
+        """True: ``Booster.enable_lora`` (peft); frozen base weights get no gradient."""
+        return True
+
     def configure(
         self,
         model: nn.Module,

@@ -246,6 +246,10 @@ class TorchFSDPPlugin(DPPluginBase):
         """True (``set_requires_gradient_sync``)."""
         return True
 
+    def support_lora(self) -> bool:
+        """True: ``Booster.enable_lora`` (peft); adapters are gathered to save them."""
+        return True
+
     def _mesh(self) -> DeviceMesh:
         """The 1-D DeviceMesh over ``self.parallel_dims.group("dp")`` (creates no group)."""
         device_type = get_accelerator().get_current_device().type

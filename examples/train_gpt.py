@@ -27,7 +27,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from colossal.booster import Booster
 from colossal.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
-from colossal.core import launch_from_torch
+from colossal.core import destroy, launch_from_torch
 from colossal.lazy import LazyInitContext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> float:
         if args.stop_after and it + 1 - start >= args.stop_after:
             if rank == 0:
                 print(f"stopping after iteration {it + 1} (--stop-after)", flush=True)
-            dist.destroy_process_group()
+            destroy()
             return val
     if bar is not None:
         bar.close()
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> float:
         )
         plot(history, os.path.join(args.out, "loss.png"))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy()  # groups stay alive to the process's end, so freeing the model cannot deadlock
     return val
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from colossal.cli.bench.gpt import GPT, gpt_config
 from colossal.cli.bench.report import COLUMNS
+from colossal.core.testing import run_isolated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("ddp", "fsdp", "zero1", "zero2")
@@ -24,8 +25,8 @@ def _colossal(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
     script = shutil.which("colossal")
     cmd = [script] if script else [sys.executable, "-m", "colossal.cli.main"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)  # fmt: skip
+    # Its own session: a timeout kills the benchmark's ranks too, never leaving one behind.
+    return run_isolated([*cmd, *args], timeout=timeout, env=env, cwd=ROOT)
 
 
 def test_benchmark_cpu_two_ranks_end_to_end(tmp_path) -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from colossal.core.testing import free_port
+from colossal.core.testing import free_port, run_isolated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +19,7 @@ def _torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
         f"--master_port={free_port()}", os.path.join(ROOT, script), *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    done = run_isolated(cmd, timeout=timeout, env=env, cwd=ROOT)  # kills every rank on timeout
     assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from colossal.core.testing import free_port
+from colossal.core.testing import free_port, run_isolated
 
 pytest.importorskip("transformers")
 
@@ -24,7 +23,7 @@ def _torchrun(*args: str, timeout: float = 300) -> str:
         f"--master_port={free_port()}", os.path.join(ROOT, "examples", "train_gpt.py"), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    done = run_isolated(cmd, timeout=timeout, env=env, cwd=ROOT)  # kills every rank on timeout
     assert done.returncode == 0, f"train_gpt.py failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -59,6 +58,6 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path) -> None:
            "--out", str(tmp_path), *SHORT]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    done = run_isolated(cmd, timeout=120, env=env, cwd=ROOT)
     assert done.returncode != 0
     assert "no complete checkpoint" in done.stderr

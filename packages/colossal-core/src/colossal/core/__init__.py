@@ -8,6 +8,7 @@ from colossal.core.__about__ import __version__
 from colossal.core.accelerator import BaseAccelerator, get_accelerator
 from colossal.core.comm import CommError, CommTracker
 from colossal.core.coordinator import DistCoordinator
+from colossal.core.group_lifetime import keep_alive
 from colossal.core.interface import ModelWrapper, OptimizerWrapper
 from colossal.core.launch import (
     destroy,
@@ -45,6 +46,7 @@ __all__ = [
     "get_accelerator",
     "get_dist_logger",
     "get_logger",
+    "keep_alive",
     "destroy",
     "launch",
     "launch_from_openmpi",

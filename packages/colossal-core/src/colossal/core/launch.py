@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import sys
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colossal.core.accelerator import get_accelerator
+from colossal.core.group_lifetime import keep_alive, keep_all_alive
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,17 @@ def launch(
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: Any = None,
 ) -> None:
     """Create the default process group and seed every generator.
 
+    The default group is kept alive until the process exits (see
+    :mod:`colossal.core.group_lifetime`), so no teardown order can deadlock on it.
+
     Args:
+        config: ColossalAI's old configuration argument (a dict or a file path). Ignored, with a
+            ``DeprecationWarning`` the first time; pass the settings to the plugins instead.
         rank: Global rank of this process, ``0 <= rank < world_size``.
         world_size: Number of processes in the job.
         host: Address of the rank-0 host (the rendezvous TCP store).
@@ -85,6 +94,7 @@ def launch(
         ValueError: Inconsistent rank/world size, bad port or timeout.
         RuntimeError: torch.distributed is already initialized.
     """
+    _warn_config(config, "launch")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -112,6 +122,7 @@ def launch(
         world_size=world_size,
         timeout=_as_timedelta(timeout),
     )
+    keep_alive(dist.group.WORLD)
     global _launched_local_rank
     _launched_local_rank = local_rank
     _register_exit_hook()
@@ -129,11 +140,14 @@ def destroy() -> None:
     """Destroy every process group of this process (a no-op when none exists).
 
     Call it at the end of a script, on every rank. :func:`launch` also registers it to run at a
-    clean interpreter exit: a gloo group still alive while the interpreter shuts down can abort
-    the process (``terminate called without an active exception``) after all work is done.
+    clean interpreter exit. Every group is first kept alive until the process exits
+    (:func:`colossal.core.group_lifetime.keep_all_alive`): torch unregisters and shuts them down
+    here, but their native objects are never freed while Python runs, which is what could
+    deadlock a gloo worker thread against the main thread.
     """
     global _launched_local_rank
     if dist.is_available() and dist.is_initialized():
+        keep_all_alive()
         dist.destroy_process_group()
     _launched_local_rank = None
 
@@ -189,6 +203,30 @@ def _destroy_on_clean_exit() -> None:
         logger.debug("destroying the process groups at exit failed: %r", err)
 
 
+_config_warned = False
+
+
+def _is_legacy_config(value: Any) -> bool:
+    """A ColossalAI config given where a backend or host is expected: a mapping or a path."""
+    return isinstance(value, (Mapping, os.PathLike)) or (
+        isinstance(value, str) and value.endswith(".py")
+    )
+
+
+def _warn_config(config: Any, where: str) -> None:
+    """ColossalAI's ``config`` argument is accepted and ignored, with one warning per process."""
+    global _config_warned
+    if config is None or _config_warned:
+        return
+    _config_warned = True
+    warnings.warn(
+        f"{where}(config=...) is ignored: Colossal takes no global config; pass the settings "
+        "to the Booster and its plugin instead (and drop the config argument)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -217,12 +255,20 @@ def _read_env(names: Mapping[str, str], launcher: str, hint: str) -> dict[str, A
 
 
 def launch_from_torch(
-    backend: str | None = None,
+    backend: Any = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: Any = None,
 ) -> None:
-    """:func:`launch` with rank, world size and address set by torchrun or ``colossal run``."""
+    """:func:`launch` with rank, world size and address set by torchrun or ``colossal run``.
+
+    ``config`` (keyword, or ColossalAI's old first positional argument: a dict or a path) is
+    accepted and ignored with a ``DeprecationWarning``.
+    """
+    if _is_legacy_config(backend):
+        backend, config = None, backend
     names = {
         "rank": "RANK",
         "local_rank": "LOCAL_RANK",
@@ -230,20 +276,30 @@ def launch_from_torch(
         "host": "MASTER_ADDR",
         "port": "MASTER_PORT",
     }
+    _warn_config(config, "launch_from_torch")
     hint = "start the script with `torchrun` or `colossal run`, or call launch(...)"
     env = _read_env(names, "launch_from_torch", hint)
     launch(**env, backend=backend, seed=seed, verbose=verbose, timeout=timeout)
 
 
 def launch_from_slurm(
-    host: str,
-    port: int | str,
+    host: Any,
+    port: Any,
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: Any = None,
 ) -> None:
-    """:func:`launch` with rank and world size from SLURM (``srun``)."""
+    """:func:`launch` with rank and world size from SLURM (``srun``).
+
+    ``config`` is ColossalAI's old argument: accepted (also as the first positional argument)
+    and ignored with a ``DeprecationWarning``.
+    """
+    if _is_legacy_config(host):  # ColossalAI's old launch_from_slurm(config, host, port, ...)
+        host, port, backend, config = port, backend, None, host
+    _warn_config(config, "launch_from_slurm")
     names = {"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS"}
     if "SLURM_NPROCS" not in os.environ and "SLURM_NTASKS" in os.environ:
         names["world_size"] = "SLURM_NTASKS"
@@ -256,14 +312,23 @@ def launch_from_slurm(
 
 
 def launch_from_openmpi(
-    host: str,
-    port: int | str,
+    host: Any,
+    port: Any,
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: Any = None,
 ) -> None:
-    """:func:`launch` with rank, local rank and world size from OpenMPI (``mpirun``)."""
+    """:func:`launch` with rank, local rank and world size from OpenMPI (``mpirun``).
+
+    ``config`` is ColossalAI's old argument: accepted (also as the first positional argument)
+    and ignored with a ``DeprecationWarning``.
+    """
+    if _is_legacy_config(host):  # ColossalAI's old launch_from_openmpi(config, host, port, ...)
+        host, port, backend, config = port, backend, None, host
+    _warn_config(config, "launch_from_openmpi")
     names = {
         "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",

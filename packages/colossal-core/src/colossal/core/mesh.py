@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from colossal.core.group_lifetime import keep_alive
 from colossal.core.launch import default_timeout
 
 Axis = int | str
@@ -164,7 +165,7 @@ class ProcessGroupMesh:
         key = tuple(sorted(ranks))
         if key not in self._groups:
             group = dist.new_group(list(key), backend=self._backend, timeout=self._timeout)
-            self._groups[key] = group
+            self._groups[key] = keep_alive(group)  # never freed mid-run: see group_lifetime
         return self._groups[key]
 
     def get_group_along_axis(self, axis: Axis | Sequence[Axis]) -> ProcessGroup:

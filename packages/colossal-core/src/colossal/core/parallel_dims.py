@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from colossal.core.group_lifetime import keep_alive
 from colossal.core.mesh import ProcessGroupMesh
 
 logger = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ class ParallelDims:
         size = self.size(names)
         if self.dp_group is not None:
             if size == self.dp:
-                return self.dp_group
+                return keep_alive(self.dp_group)  # see group_lifetime
             raise ValueError(
                 f"this ParallelDims wraps a given dp_group of {self.dp} ranks and can only "
                 f"hand out that group, not {names!r} ({size} ranks); describe the whole job "
@@ -345,7 +346,7 @@ class ParallelDims:
         if size == self.world_size:
             if not dist.is_initialized():
                 raise RuntimeError("ParallelDims.group needs torch.distributed initialized")
-            return dist.group.WORLD  # type: ignore[return-value]
+            return keep_alive(dist.group.WORLD)  # type: ignore[return-value]
         return self.build_mesh().get_group_along_axis(self._axes(names))
 
     def destroy(self) -> None:

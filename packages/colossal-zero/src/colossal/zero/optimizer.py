@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from colossal.core import DynamicGradScaler, OptimizerWrapper
+from colossal.core import DynamicGradScaler, OptimizerWrapper, keep_alive
 from colossal.core.comm import broadcast, group_ranks
 from colossal.core.precision import Precision, ScalerConfig, scaler_config_from
 from colossal.zero.config import ZeroConfig
@@ -135,6 +135,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             cpu_offload=cpu_offload,
             master_weights=master_weights,
         )
+        # Held to the end of the process: freeing one later cannot deadlock (group_lifetime).
+        for held in (dp_process_group or dist.group.WORLD, tp_process_group, pp_process_group):
+            keep_alive(held)
         self.dp_group = dp_process_group
         self._dp_ranks = group_ranks(dp_process_group)
         self.world_size = len(self._dp_ranks)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colossal.core.launch import launch
+from colossal.core.launch import destroy, launch
 
 _PORT_IN_USE_MARKERS = ("EADDRINUSE", "address already in use", "Address already in use")
 
@@ -79,11 +79,10 @@ def _worker(
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put(("error", rank, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the job is over either way
-                pass
+        try:
+            destroy()  # keeps every group alive to the end: freeing one later cannot deadlock
+        except Exception:  # noqa: BLE001 - the job is over either way
+            pass
     if not ok:
         # os._exit skips the queue's feeder thread: flush the report first.
         results.close()

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from booster_testlib import IN, OUT, full_state, make_model, make_optimizer, train_steps
+from booster_testlib import IN, OUT, make_model, make_optimizer, train_steps
 from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -75,7 +75,16 @@ def _train(rank: int, world_size: int, **kwargs: object) -> tuple[object, object
     model = make_blocks()
     model, optimizer, *_ = booster.boost(model, make_optimizer(model))
     train_steps(model, optimizer, booster, range(STEPS), rank, world_size)
-    return booster, model, full_state(model, booster)
+    return booster, model, full_state(model)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors of a sharded model (collective), gathered by DTensor itself."""
+    state = model.unwrap().state_dict()
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+        for k, v in state.items()
+    }
 
 
 def _assert_matches_reference(state: dict, where: str) -> None:
@@ -94,6 +103,13 @@ def _gathered_after_forward(model: nn.Module) -> bool:
     return not isinstance(inner.weight, DTensor)
 
 
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @distributed_test(2)
 def test_sharding_strategies(rank: int, world_size: int) -> None:
     """FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD train like the reference, each as claimed.
@@ -110,11 +126,12 @@ def test_sharding_strategies(rank: int, world_size: int) -> None:
     _assert_matches_reference(state, "SHARD_GRAD_OP")
     assert _gathered_after_forward(model), "SHARD_GRAD_OP must keep parameters after forward"
 
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two "nodes" of one rank: replicate 2 x shard 1
     try:
         _, model, state = _train(rank, world_size, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
     finally:
-        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        _restore("LOCAL_WORLD_SIZE", saved)
     weight = model.unwrap().embed.weight
     assert weight.device_mesh.mesh.shape == (2, 1)
     assert tuple(weight.placements) == (Replicate(), Shard(0))
@@ -129,7 +146,7 @@ def test_sharding_strategies(rank: int, world_size: int) -> None:
         with pytest.raises(ValueError, match="not a multiple of LOCAL_WORLD_SIZE=3"):
             booster.boost(make_blocks())
     finally:
-        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        _restore("LOCAL_WORLD_SIZE", saved)
 
 
 @distributed_test(2)
@@ -234,13 +251,13 @@ def test_sync_module_states_and_param_init_fn(rank: int, world_size: int) -> Non
     rank0 = make_blocks(seed=500)
     booster = Booster(plugin=_plugin(sync_module_states=True))
     model, *_ = booster.boost(make_blocks(seed=500 + rank))
-    state = full_state(model, booster)
+    state = full_state(model)
     for name, value in rank0.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=0)
 
     booster = Booster(plugin=_plugin())  # without it the ranks' rows come from two inits
     model, *_ = booster.boost(make_blocks(seed=500 + rank))
-    state = full_state(model, booster)
+    state = full_state(model)
     assert not torch.equal(state["embed.weight"], rank0.embed.weight.detach())
 
     source = make_blocks()
@@ -261,7 +278,7 @@ def test_sync_module_states_and_param_init_fn(rank: int, world_size: int) -> Non
     model, optimizer, *_ = booster.boost(meta, make_optimizer(meta))
     assert sorted(calls) == sorted(n for n, m in source.named_modules() if isinstance(m, nn.Linear))
     train_steps(model, optimizer, booster, range(STEPS), rank, world_size)
-    _assert_matches_reference(full_state(model, booster), "param_init_fn")
+    _assert_matches_reference(full_state(model), "param_init_fn")
 
     booster = Booster(plugin=_plugin(param_init_fn=lambda m: None))
     with pytest.raises(ValueError, match="left tensors on the meta device"):

@@ -85,7 +85,9 @@ class FSDP1Arguments:
         mixed_precision: A ``torch.distributed.fsdp.MixedPrecision``.
         ignored_modules: Modules whose parameters FSDP leaves alone (not sharded, and their
             gradients not reduced).
-        param_init_fn: ``fn(module)`` materializing a module that has meta-device tensors.
+        param_init_fn: ``fn(module)`` materializing a module that has meta-device tensors
+            (models built under ``LazyInitContext`` need none: the plugin materializes only
+            each rank's shard of them).
         sync_module_states: Broadcast parameters and buffers from rank 0 before sharding.
 
     Raises:

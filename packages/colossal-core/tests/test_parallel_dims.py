@@ -154,6 +154,8 @@ def test_world_1(rank: int, world_size: int) -> None:
     assert dims._mesh is None  # nothing to create at world 1
     with pytest.raises(ValueError, match=r"dp=2, pp=1, tp=1, sp=1 multiply to 2.*world size is 1"):
         ParallelDims(dp=2)
+    with pytest.raises(ValueError, match="describes 2 ranks but the job has 1"):
+        ParallelDims(dp=2, world_size=2).group("dp")
 
 
 @distributed_test(2)

@@ -343,9 +343,14 @@ class ParallelDims:
                 f"hand out that group, not {names!r} ({size} ranks); describe the whole job "
                 "with ParallelDims(dp=..., ...) to get sub-groups"
             )
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.group needs torch.distributed initialized")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"{self} describes {self.world_size} ranks but the job has "
+                f"{dist.get_world_size()}; leave world_size unset to use the job's size"
+            )
         if size == self.world_size:
-            if not dist.is_initialized():
-                raise RuntimeError("ParallelDims.group needs torch.distributed initialized")
             return keep_alive(dist.group.WORLD)  # type: ignore[return-value]
         return self.build_mesh().get_group_along_axis(self._axes(names))
 

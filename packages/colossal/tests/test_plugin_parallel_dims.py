@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 from booster_testlib import make_model, make_optimizer
@@ -60,7 +62,30 @@ def test_plugin_groups_come_from_parallel_dims(rank: int, world_size: int) -> No
         assert dims.dp_group is singles[rank] and dims.dp == 1 and dims.ranks("dp") == [rank]
         assert (plugin.rank, plugin.world_size) == (0, 1), name
         assert all(g is singles[rank] for g in _groups_used(name, plugin)), name
+    _fsdp_hybrid_mesh_comes_from_parallel_dims()
     _zero_plugin_builds_one_scaler_config()
+
+
+def _fsdp_hybrid_mesh_comes_from_parallel_dims() -> None:
+    """Catches HYBRID_SHARD building its 2-D mesh from groups of its own."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two "nodes" of one rank: replicate 2 x shard 1
+    try:
+        plugin = TorchFSDPPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        model, *_ = _boost(plugin)
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    dims = plugin.parallel_dims
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard) == (2, 2, 1)
+    mesh = next(model.unwrap().parameters()).device_mesh
+    assert mesh.mesh_dim_names == ("replicate", "shard")
+    assert mesh.get_group("replicate") is dims.group("dp_replicate")
+    assert mesh.get_group("shard") is dims.group("dp_shard")
 
 
 def _zero_plugin_builds_one_scaler_config() -> None:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
@@ -56,7 +55,7 @@ from colossal.booster.plugin.base import (
     materialize_model,
     repoint_optimizer,
 )
-from colossal.core import get_accelerator
+from colossal.core import ParallelDims, get_accelerator
 from colossal.core.comm import broadcast
 from colossal.lazy import is_lazy
 
@@ -376,11 +375,12 @@ class FSDP1Arguments:
         order = {id(m): i for i, m in enumerate(model.modules())}
         return sorted(chosen, key=lambda m: -order[id(m)])
 
-    def hybrid_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The ``(replicate, shard)`` mesh of HYBRID_SHARD, or None for a 1-D mesh.
+    def hybrid_dims(self) -> ParallelDims | None:
+        """The ``ParallelDims`` of HYBRID_SHARD (``dp_shard`` = one node), or None for 1-D.
 
         The shard group is the ranks of one node (``LOCAL_WORLD_SIZE``, set by torchrun);
-        with one node the mesh is 1-D (HYBRID_SHARD is FULL_SHARD there).
+        with one node the mesh is 1-D (HYBRID_SHARD is FULL_SHARD there). The plugin builds
+        its ``(replicate, shard)`` mesh from the dims' ``dp_replicate`` and ``dp_shard`` groups.
 
         Raises:
             ValueError: The world size is not a multiple of ``LOCAL_WORLD_SIZE``.
@@ -397,9 +397,7 @@ class FSDP1Arguments:
             )
         if world == local:
             return None
-        return init_device_mesh(
-            device_type, (world // local, local), mesh_dim_names=("replicate", "shard")
-        )
+        return ParallelDims(dp=world, dp_shard=local)
 
 
 def _recursive_choice(

@@ -251,9 +251,25 @@ class TorchFSDPPlugin(DPPluginBase):
         return True
 
     def _mesh(self) -> DeviceMesh:
-        """The 1-D DeviceMesh over ``self.parallel_dims.group("dp")`` (creates no group)."""
+        """The DeviceMesh of ``self.parallel_dims``' groups (HYBRID_SHARD's dims first).
+
+        1-D over ``group("dp")``, or ``(replicate, shard)`` over ``group("dp_replicate")`` and
+        ``group("dp_shard")`` when the dims replicate shard groups.
+        """
+        hybrid = self.fsdp1.hybrid_dims()
+        if hybrid is not None:
+            self.parallel_dims = hybrid
+        dims = self.parallel_dims
         device_type = get_accelerator().get_current_device().type
-        return DeviceMesh.from_group(self.parallel_dims.group("dp"), device_type)
+        if not dims.dp_replicate_enabled:
+            return DeviceMesh.from_group(dims.group("dp"), device_type)
+        layout = torch.tensor(dims.ranks("dp")).view(dims.dp_replicate, dims.dp_shard)
+        return DeviceMesh.from_group(
+            [dims.group("dp_replicate"), dims.group("dp_shard")],
+            device_type,
+            mesh=layout,
+            mesh_dim_names=("replicate", "shard"),
+        )
 
     def configure(
         self,
@@ -272,7 +288,7 @@ class TorchFSDPPlugin(DPPluginBase):
             model = model.to(device)
         names = record_param_names(optimizer, model) if optimizer is not None else []
         group_names = group_param_names(optimizer, model) if optimizer is not None else []
-        mesh = self.fsdp1.hybrid_mesh(device.type) or self._mesh()
+        mesh = self._mesh()
         kwargs = {
             "mesh": mesh,
             "reshard_after_forward": self.config.reshard_after_forward,

@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from colossal.booster import Booster
-from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointIO, TensorReader
+from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
+from colossal.checkpoint_io import OPTIMIZER_INDEX, TensorReader
+from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_state import indexed_to_named
 from colossal.core.testing import distributed_test
 
@@ -46,6 +48,13 @@ def _boost(stage: int, precision: str, seed: int) -> tuple[Booster, Any, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer, *_ = booster.boost(model, optimizer)
     return booster, model, optimizer
+
+
+class _FullGather(ZeroCheckpointIO):
+    """The old way of saving: every rank all-gathers the whole state first."""
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return optimizer.state_dict()
 
 
 def _files(directory: str) -> dict[str, torch.Tensor]:
@@ -92,7 +101,7 @@ def test_load_reads_only_local_slices(rank: int, world_size: int, tmp_path: Any)
     assert totals.item() < full_bytes * 1.5, (totals.item(), full_bytes)  # no rank reads all
 
     # What the slices rebuilt equals the full stored tensors, bit for bit.
-    loaded, _ = indexed_to_named(optimizer.state_dict(), optimizer.colossal_param_names)
+    loaded, _ = indexed_to_named(optimizer.state_dict(), param_names(optimizer))
     stored = _files(optim_dir)
     assert sorted(loaded) == sorted(stored)
     for key, value in stored.items():
@@ -126,10 +135,10 @@ def test_save_gathers_only_what_a_rank_writes(rank: int, world_size: int, tmp_pa
     booster.save_optimizer(optimizer, ours, shard=True, size_per_shard=SHARD_MB)
     # The old way: every rank all-gathers the whole state (optimizer.state_dict()).
     full_state = optimizer.state_dict()
-    tensors = indexed_to_named(full_state, optimizer.colossal_param_names)[0].values()
+    tensors = indexed_to_named(full_state, param_names(optimizer))[0].values()
     full_bytes = sum(t.numel() * t.element_size() for t in tensors)
     sharded_bytes = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
-    CheckpointIO().save_optimizer(optimizer, reference, shard=True, size_per_shard=SHARD_MB)
+    _FullGather().save_optimizer(optimizer, reference, shard=True, size_per_shard=SHARD_MB)
 
     # Held at once: the files this rank writes (kept until they are durable) plus the one
     # state being gathered; about half of the whole state at world 2. A rank receives only

@@ -27,20 +27,34 @@ from colossal.core.logging import (
 from colossal.core.mesh import ProcessGroupMesh
 from colossal.core.parallel_dims import ParallelDims
 from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
+from colossal.core.sharded_state import (
+    Block,
+    FlatRange,
+    LocalPart,
+    LocalShard,
+    Replicated,
+    ShardedTensor,
+)
 
 __all__ = [
     "BaseAccelerator",
+    "Block",
     "CommError",
     "CommTracker",
     "DistCoordinator",
     "DistributedLogger",
     "DynamicGradScaler",
+    "FlatRange",
+    "LocalPart",
+    "LocalShard",
     "ModelWrapper",
     "OptimizerWrapper",
     "ParallelDims",
     "Precision",
     "ProcessGroupMesh",
+    "Replicated",
     "ScalerConfig",
+    "ShardedTensor",
     "__version__",
     "disable_existing_loggers",
     "get_accelerator",

@@ -6,7 +6,8 @@ see one surface whatever parallelism sits underneath.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -55,16 +56,76 @@ class OptimizerWrapper:
     The base class is the plain single-process behaviour; ZeRO, Gemini and mixed-precision
     optimizers override what they change.
 
+    Checkpoints store optimizer states by parameter name, so a wrapper made for a model
+    carries the model name of every parameter (``param_names``).
+
     Args:
         optim: The wrapped optimizer.
+        param_names: The model name of each parameter, one sequence per param group in the
+            optimizer's order (as ``[[n for p in g["params"]] for g in param_groups]``); None
+            leaves the optimizer unnamed (see :meth:`set_param_names`).
+
+    Raises:
+        TypeError: ``optim`` is not a torch optimizer.
+        ValueError: ``param_names`` does not match the param groups (see
+            :meth:`set_param_names`).
     """
 
-    def __init__(self, optim: Optimizer) -> None:
+    def __init__(
+        self, optim: Optimizer, param_names: Sequence[Sequence[str]] | None = None
+    ) -> None:
         if not isinstance(optim, Optimizer):
             raise TypeError(
                 f"OptimizerWrapper needs a torch.optim.Optimizer, got {type(optim).__name__}"
             )
         self.optim = optim
+        # Counted now: subclasses (ZeRO) may replace the groups' parameters afterwards.
+        self._param_counts = tuple(len(g["params"]) for g in optim.param_groups)
+        self._param_names: tuple[tuple[str, ...], ...] | None = None
+        if param_names is not None:
+            self.set_param_names(param_names)
+
+    @property
+    def param_names(self) -> tuple[tuple[str, ...], ...] | None:
+        """The model name of each parameter, per param group (None when not named)."""
+        return self._param_names
+
+    def set_param_names(self, param_names: Sequence[Sequence[str]]) -> None:
+        """Name the parameters: one sequence of names per param group, in the groups' order.
+
+        Raises:
+            TypeError: ``param_names`` is not a sequence of sequences of strings.
+            ValueError: The number of groups or of names in a group differs from the
+                optimizer's, or a name is empty or repeated.
+        """
+        if isinstance(param_names, str | bytes) or not isinstance(param_names, Sequence):
+            raise TypeError(
+                "param_names must be one sequence of names per param group, got "
+                f"{type(param_names).__name__}"
+            )
+        groups = []
+        for g, names in enumerate(param_names):
+            if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+                raise TypeError(
+                    f"param_names[{g}] must be a sequence of names, got {type(names).__name__}"
+                )
+            bad = [n for n in names if not isinstance(n, str) or not n]
+            if bad:
+                raise TypeError(f"param_names[{g}] holds {bad[:3]}; names are non-empty strings")
+            groups.append(tuple(names))
+        counts = tuple(len(names) for names in groups)
+        if counts != self._param_counts:
+            raise ValueError(
+                f"param_names has {counts} names per group but the optimizer's param groups "
+                f"hold {self._param_counts} parameters; give one name per parameter"
+            )
+        counts_by_name = Counter(n for names in groups for n in names)
+        repeated = sorted(n for n, k in counts_by_name.items() if k > 1)
+        if repeated:
+            raise ValueError(
+                f"param_names repeats {repeated[:5]}; each parameter needs its own name"
+            )
+        self._param_names = tuple(groups)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

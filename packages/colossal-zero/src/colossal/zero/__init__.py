@@ -4,5 +4,14 @@ from colossal.zero.__about__ import __version__
 from colossal.zero.config import ZeroConfig
 from colossal.zero.memory import MemoryReport
 from colossal.zero.optimizer import LowLevelZeroOptimizer
+from colossal.zero.state_dict import StateRef, sharded_params, sharded_state_dict
 
-__all__ = ["LowLevelZeroOptimizer", "MemoryReport", "ZeroConfig", "__version__"]
+__all__ = [
+    "LowLevelZeroOptimizer",
+    "MemoryReport",
+    "StateRef",
+    "ZeroConfig",
+    "__version__",
+    "sharded_params",
+    "sharded_state_dict",
+]

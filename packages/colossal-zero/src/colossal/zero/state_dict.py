@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from colossal.core import FlatRange, ShardedTensor
 from colossal.core.comm import all_gather, broadcast, recv, send
 from colossal.zero.layout import Bucket, ParamSlot
 
@@ -18,75 +19,76 @@ MASTER_KEY = "master_param"
 
 __all__ = [
     "MASTER_KEY",
-    "LocalRange",
     "StateRef",
-    "StateSlice",
     "gather_param_state",
     "gather_state_dict",
-    "local_param_ranges",
     "scatter_state_dict",
+    "sharded_params",
     "sharded_state_dict",
 ]
 
 
 @dataclass(frozen=True, eq=False)
 class StateRef:
-    """One parameter's sharded optimizer state, not gathered yet.
+    """One parameter's sharded optimizer state: a :class:`colossal.core.ShardedTensor`.
 
     :func:`sharded_state_dict` puts these where :func:`gather_state_dict` puts full tensors;
-    :func:`gather_param_state` turns one into the full tensor when (and where) it is needed.
+    :meth:`gather` (or :func:`gather_param_state`) turns one into the full tensor when (and
+    where) it is needed. This rank holds a :class:`~colossal.core.FlatRange` of the
+    parameter's flattened state: the elements of its bucket slice.
 
     Attributes:
         bucket: The bucket holding the parameter.
         slot: The parameter's place in the bucket.
         name: The state's name (``"exp_avg"``, ``"master_param"``, ...).
         shard: This rank's slice of the whole bucket's state.
+        optimizer: The optimizer whose state it is.
     """
 
     bucket: Bucket
     slot: ParamSlot
     name: str
     shard: torch.Tensor
+    optimizer: LowLevelZeroOptimizer
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def shape(self) -> torch.Size:
         """Shape of the full state (the parameter's shape)."""
-        return tuple(self.slot.param.shape)
+        return torch.Size(self.slot.param.shape)
 
     @property
     def dtype(self) -> torch.dtype:
         """The state's dtype."""
         return self.shard.dtype
 
-
-@dataclass(frozen=True, eq=False)
-class StateSlice:
-    """Part of a full per-parameter state, accepted by :func:`scatter_state_dict`.
-
-    Lets a loader read only the elements a rank keeps (see :func:`local_param_ranges`).
-
-    Attributes:
-        values: Elements ``[start, start + values.numel())`` of the flattened full state.
-        start: First element of ``values`` in the flattened full state.
-        shape: Shape of the full state (must equal the parameter's).
-    """
-
-    values: torch.Tensor
-    start: int
-    shape: tuple[int, ...]
-
     @property
-    def dtype(self) -> torch.dtype:
-        """The state's dtype."""
-        return self.values.dtype
+    def part(self) -> FlatRange:
+        """The elements of the flattened parameter this rank holds (may be empty)."""
+        opt = self.optimizer
+        return FlatRange(*self.bucket.slot_shard_range(self.slot, opt.rank, opt.world_size))
 
+    def local(self) -> torch.Tensor:
+        """This rank's elements of the state (1-D, a view into the bucket's shard)."""
+        opt = self.optimizer
+        start, stop = self.bucket.slot_shard_range(self.slot, opt.rank, opt.world_size)
+        lo, _ = self.bucket.shard_range(opt.rank, opt.world_size)
+        at = self.slot.offset + start - lo
+        return self.shard[at : at + stop - start]
 
-class LocalRange(NamedTuple):
-    """Elements ``[start, stop)`` of a flattened parameter (of ``shape``) a rank keeps."""
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The full CPU state on global rank ``dst`` (every rank when None); collective.
 
-    start: int
-    stop: int
-    shape: tuple[int, ...]
+        Raises:
+            ValueError: ``dst`` is not in the optimizer's data-parallel group.
+        """
+        ranks = list(self.optimizer._dp_ranks)
+        if dst is not None and dst not in ranks:
+            raise ValueError(
+                f"dst={dst} is not a rank of the optimizer's data-parallel group {ranks}"
+            )
+        return gather_param_state(
+            self.optimizer, self, None if dst is None else ranks.index(dst)
+        )
 
 
 def _is_sharded(value: Any, shard_numel: int) -> bool:
@@ -125,7 +127,9 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     for bucket, master in zip(opt.buckets, opt.masters, strict=True):
         for name, value, sharded in _shards(opt, bucket, master):
             for slot in bucket.slots:
-                entry = StateRef(bucket, slot, name, value) if sharded else copy.deepcopy(value)
+                entry = (
+                    StateRef(bucket, slot, name, value, opt) if sharded else copy.deepcopy(value)
+                )
                 state.setdefault(slot.index, {})[name] = entry
     return {
         "state": state,
@@ -182,13 +186,17 @@ def gather_param_state(opt: LowLevelZeroOptimizer, ref: StateRef, dst: int | Non
     return full.view(slot.param.shape).cpu()
 
 
-def local_param_ranges(opt: LowLevelZeroOptimizer) -> dict[int, LocalRange]:
-    """For every trainable parameter (by optimizer index), the elements this rank keeps."""
+def sharded_params(opt: LowLevelZeroOptimizer) -> dict[int, StateRef]:
+    """Every trainable parameter (by optimizer index) as the part of it this rank keeps.
+
+    Each value is the :class:`StateRef` of the parameter's master weights; all its optimizer
+    states are sharded the same way, so a loader reads ``ref.part`` of each stored state
+    and passes it to :func:`scatter_state_dict` (as a :class:`colossal.core.LocalShard`).
+    """
+    opt.gatherer.wait_all()
     return {
-        slot.index: LocalRange(
-            *bucket.slot_shard_range(slot, opt.rank, opt.world_size), tuple(slot.param.shape)
-        )
-        for bucket in opt.buckets
+        slot.index: StateRef(bucket, slot, MASTER_KEY, master, opt)
+        for bucket, master in zip(opt.buckets, opt.masters, strict=True)
         for slot in bucket.slots
     }
 
@@ -269,7 +277,9 @@ def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: dict[str, Any]) -> None:
 
 
 def _is_tensor_state(value: Any) -> bool:
-    return isinstance(value, StateSlice) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    return isinstance(value, ShardedTensor)
 
 
 def _bucket_state(
@@ -277,8 +287,8 @@ def _bucket_state(
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
     """This rank's slice of every state of ``bucket``, and of the saved master weights.
 
-    Values are full per-parameter tensors or :class:`StateSlice` parts covering this rank's
-    elements.
+    Values are full per-parameter tensors or :class:`colossal.core.ShardedTensor` parts
+    (a :class:`colossal.core.FlatRange` covering this rank's elements).
     """
     names = sorted({n for s in bucket.slots for n in states.get(s.index, {})})
     lo, hi = bucket.shard_range(opt.rank, opt.world_size)
@@ -305,15 +315,8 @@ def _bucket_state(
             start, stop = bucket.slot_shard_range(slot, opt.rank, opt.world_size)
             if start == stop:
                 continue
-            if isinstance(value, StateSlice):
-                end = value.start + value.values.numel()
-                if value.start > start or end < stop:
-                    raise ValueError(
-                        f"state {name!r} of parameter {slot.index} holds elements "
-                        f"[{value.start}, {end}) but this rank needs [{start}, {stop}); "
-                        "read the slice local_param_ranges() reports"
-                    )
-                part = value.values[start - value.start : stop - value.start]
+            if isinstance(value, ShardedTensor):
+                part = _covering(value, name, slot.index, start, stop)
             else:
                 part = value.reshape(-1)[start:stop]
             at = slot.offset + start - lo
@@ -323,3 +326,14 @@ def _bucket_state(
         else:
             new_state[name] = shard.to(device=master.device, dtype=sample.dtype)
     return new_state, master_shard
+
+
+def _covering(value: ShardedTensor, name: str, index: int, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened state from a part that must cover them."""
+    held = value.part
+    if not isinstance(held, FlatRange) or held.start > start or held.stop < stop:
+        raise ValueError(
+            f"state {name!r} of parameter {index} holds {held} but this rank needs "
+            f"FlatRange({start}, {stop}); read the part sharded_params() reports"
+        )
+    return held.real(value.local())[start - held.start : stop - held.start]

@@ -19,7 +19,7 @@ from colossal.booster.mixed_precision import (
 )
 from colossal.booster.plugin.base import Plugin
 from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.names import record_param_names
+from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
 
 logger = logging.getLogger(__name__)
@@ -136,9 +136,8 @@ class Booster:
         else:
             model = model.to(self.device)
             if optimizer is not None:
-                names = record_param_names(optimizer, model)
-                optimizer = OptimizerWrapper(optimizer)
-                optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+                names = group_param_names(optimizer, model)
+                optimizer = OptimizerWrapper(optimizer, param_names=names)
         if self.mixed_precision is not None and (
             self.plugin is None or not self.plugin.control_precision()
         ):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from colossal.checkpoint_io.index import CheckpointError
+from colossal.core import ShardedTensor
 
 __all__ = ["named_to_indexed", "indexed_to_named"]
 
@@ -35,7 +36,7 @@ def _jsonable(value: Any) -> Any:
 
 def indexed_to_named(
     state_dict: dict[str, Any], names: Sequence[str]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a torch-style optimizer state dict into named tensors and JSON metadata.
 
     Args:
@@ -44,17 +45,20 @@ def indexed_to_named(
         names: Parameter name of each index.
 
     Returns:
-        ``(tensors, meta)``: tensors keyed ``"<param>.<state>"``; meta with ``param_groups``
+        ``(tensors, meta)``: tensors (or :class:`colossal.core.ShardedTensor` states, left
+        for the writer to gather) keyed ``"<param>.<state>"``; meta with ``param_groups``
         (parameters by name, hyper-parameters), ``scalar_states``, ``steps`` and
         ``loss_scaler``.
     """
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
     steps = 0
     for index, entries in state_dict.get("state", {}).items():
         name = names[int(index)]
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, ShardedTensor):  # gathered by whoever writes it
+                tensors[f"{name}.{key}"] = value
+            elif isinstance(value, torch.Tensor):
                 tensors[f"{name}.{key}"] = value.detach()
                 if key == "step":
                     steps = max(steps, int(value.item()))
@@ -79,7 +83,7 @@ def named_to_indexed(
     meta: dict[str, Any],
     weight_map: dict[str, str],
     names: Sequence[str],
-    read: Callable[[str, str], torch.Tensor],
+    read: Callable[[str, str], Any],
     keep: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Rebuild a torch-style state dict for an optimizer whose parameters are ``names``.

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from colossal.core import LocalPart
+
 __all__ = ["TensorReader"]
 
 
@@ -38,6 +40,16 @@ class TensorReader:
         if index is None:
             return handle.get_tensor(name)
         return handle.get_slice(name)[index]
+
+    def read_part(self, name: str, part: LocalPart) -> torch.Tensor:
+        """Only the elements of ``name`` that ``part`` describes (shaped as ``part.read``).
+
+        Reads with ``get_slice``: a block exactly, a flat range as the rows covering it.
+
+        Raises:
+            ValueError: ``part`` does not fit the stored tensor.
+        """
+        return part.read(lambda index: self.read(name, index), self.shape(name))
 
     def shape(self, name: str) -> list[int]:
         """The stored shape of ``name``."""

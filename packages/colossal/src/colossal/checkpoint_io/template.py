@@ -1,8 +1,9 @@
 """CheckpointIO: saves and loads models, optimizers and lr schedulers in the one format.
 
-Plugins subclass it and override the four state hooks (how to get full tensors out of a
-boosted model/optimizer and how to put the slices a rank keeps back in); the files, the
-index, sharding, async writing and crash safety live here.
+Every tensor is seen through :class:`colossal.core.ShardedTensor`: saving gathers each one
+only to the rank that writes it, loading reads only the part each rank holds. Plugins
+override the state hooks (which tensors a boosted model/optimizer has and how a rank holds
+them); the files, the index, sharding, async writing and crash safety live here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
-from colossal.core import ModelWrapper, OptimizerWrapper
+from colossal.checkpoint_io.sharded import DTensorShard, as_sharded, is_sharded
+from colossal.core import ModelWrapper, OptimizerWrapper, ShardedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -65,36 +67,102 @@ class CheckpointIO:
         return dist.get_rank(self.group)
 
     # ---- hooks for plugins -----------------------------------------------------------------
-    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Tensors by name, the same names on every rank (full after :meth:`to_full`)."""
+    # Every tensor is seen through colossal.core.ShardedTensor (sharded.as_sharded): saving
+    # gathers each one only to the rank writing it, loading reads only the part a rank holds.
+    keep_states: tuple[str, ...] = ()
+    """Optimizer states a plain optimizer drops on load that this IO keeps (ZeRO's masters)."""
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """Tensors (or sharded tensors) by name, the same names on every rank."""
         return unwrap_model(model).state_dict()
 
-    def to_full(self, tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+    def to_full(self, tensor: Any, dst: int | None = None) -> torch.Tensor | None:
         """The full tensor of a possibly sharded one (collective for sharded tensors).
 
-        ``dst`` is the rank of the group that needs it (the writer of its file); a plugin may
-        then return ``None`` on the other ranks instead of gathering to all of them.
+        ``dst`` is the rank of the group that needs it (the writer of its file); the other
+        ranks get ``None`` from sharded tensors. A plain tensor is returned as it is.
         """
-        return tensor
+        if not is_sharded(tensor):
+            return tensor
+        return as_sharded(tensor).gather(self._global_rank(dst))
+
+    def _global_rank(self, rank: int | None) -> int | None:
+        """``rank`` of this IO's group as a global rank."""
+        if rank is None or self.group is None or not dist.is_initialized():
+            return rank
+        return dist.get_global_rank(self.group, rank)
 
     def load_model_state(
-        self, model: nn.Module, targets: dict[str, torch.Tensor], reader: TensorReader
+        self, model: nn.Module, targets: dict[str, Any], reader: TensorReader
     ) -> None:
-        """Copy the checkpoint's tensors into ``targets`` (name -> this rank's tensor)."""
+        """Read into each target (name -> this rank's tensor) only the part this rank holds."""
         with torch.no_grad():
             for name, target in targets.items():
-                target.copy_(reader.read(name))
+                shard = as_sharded(target)
+                data = reader.read_part(name, shard.part)
+                held = shard.part.real(shard.local())
+                held.copy_(data.reshape(held.shape))
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """A torch-style state dict with full tensors, keyed by parameter index."""
+    def optimizer_state(self, optimizer: OptimizerWrapper) -> dict[str, Any]:
+        """A torch-style state dict keyed by parameter index (tensors full or sharded)."""
         return optimizer.state_dict()
 
-    def load_optimizer_state(
-        self, optimizer: Any, meta: dict[str, Any], reader: TensorReader
-    ) -> None:
-        """Load the named checkpoint state into ``optimizer``."""
+    def optimizer_layout(self, optimizer: OptimizerWrapper) -> dict[int, ShardedTensor]:
+        """Per parameter index, how this rank holds that parameter's optimizer states.
+
+        The default: as it holds the parameter (a DTensor's shard, or all of a plain one).
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         names = param_names(optimizer)
-        state = named_to_indexed(meta, reader.weight_map, names, lambda _p, key: reader.read(key))
+        if len(params) != len(names):
+            raise TypeError(
+                f"{type(optimizer).__name__}'s param groups hold {len(params)} tensors for "
+                f"{len(names)} parameters (it keeps its own flat copies); save and load it "
+                "with its plugin's checkpoint IO (booster.save_optimizer)"
+            )
+        return {i: as_sharded(p) for i, p in enumerate(params)}
+
+    def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> Any:
+        """What the optimizer's ``load_state_dict`` takes for a state read as ``local``.
+
+        ``local`` holds the elements ``layout.part`` describes; a DTensor's state is rebuilt
+        as a DTensor laid out like its parameter.
+        """
+        if isinstance(layout, DTensorShard):
+            return layout.wrap(local)
+        return local
+
+    def load_optimizer_state(
+        self, optimizer: OptimizerWrapper, meta: dict[str, Any], reader: TensorReader
+    ) -> None:
+        """Load the named checkpoint state, each rank reading only the parts it holds.
+
+        Raises:
+            CheckpointError: A stored state of a sharded parameter has another shape.
+        """
+        names = param_names(optimizer)
+        position = {n: i for i, n in enumerate(names)}
+        layouts = self.optimizer_layout(optimizer)
+
+        def read(param: str, key: str) -> Any:
+            layout = layouts.get(position[param])
+            stored = reader.shape(key)
+            if layout is None or not stored:
+                return reader.read(key)  # scalars (e.g. step) and untrained parameters
+            whole = layout.part.is_whole(layout.shape)
+            if whole and tuple(stored) != tuple(layout.shape):
+                return reader.read(key)  # a held-whole parameter's state of its own shape
+            if whole:
+                return self.load_state_value(layout, reader.read(key))
+            if tuple(stored) != tuple(layout.shape):
+                raise CheckpointError(
+                    f"optimizer state {key!r} has shape {tuple(stored)} in the checkpoint but "
+                    f"the parameter has {tuple(layout.shape)}: the checkpoint belongs to "
+                    "another model"
+                )
+            return self.load_state_value(layout, reader.read_part(key, layout.part))
+
+        state = named_to_indexed(meta, reader.weight_map, names, read, keep=self.keep_states)
         if not isinstance(optimizer, OptimizerWrapper) or not hasattr(optimizer, "scaler"):
             state.pop("loss_scaler", None)
         optimizer.load_state_dict(state)

@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from colossal.booster.plugin.dataloader import build_dataloader
+from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ParallelDims
 from colossal.lazy import LazyInitContext, is_lazy
 
@@ -234,12 +235,6 @@ def materialize_model(model: nn.Module, optimizer: Optimizer | None) -> None:
     LazyInitContext.materialize(model)
     if optimizer is not None:
         repoint_optimizer(optimizer, model, names)
-
-
-def group_param_names(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
-    """The model names of each param group's parameters."""
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    return [[by_id[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def repoint_optimizer(optimizer: Optimizer, model: nn.Module, names: list[list[str]]) -> None:

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from colossal.booster.plugin.base import DPPluginBase, materialize_model
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.names import record_param_names
+from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, ScalerConfig, get_accelerator, parse_precision
 from colossal.zero import LowLevelZeroOptimizer
 
@@ -198,9 +198,9 @@ class LowLevelZeroPlugin(DPPluginBase):
         dtype = parse_precision(self.config.precision).dtype
         model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
         if optimizer is not None:
-            names = record_param_names(optimizer, model)
+            names = group_param_names(optimizer, model)
             optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
-            optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+            optimizer.set_param_names(names)
             self._checkpoint_io.optimizers.append(optimizer)
         return LowLevelZeroModel(model, dtype), optimizer, criterion, dataloader, lr_scheduler
 

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from colossal.booster.plugin.base import DPPluginBase, find_module, materialize_model
 from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.names import record_param_names
+from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,8 @@ class TorchDDPPlugin(DPPluginBase):
         materialize_model(model, optimizer)
         model = model.to(get_accelerator().get_current_device())
         if optimizer is not None:
-            names = record_param_names(optimizer, model)
-            optimizer = OptimizerWrapper(optimizer)
-            optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+            names = group_param_names(optimizer, model)
+            optimizer = OptimizerWrapper(optimizer, param_names=names)
         model = TorchDDPModel(model, self.config, self.dp_group)
         return model, optimizer, criterion, dataloader, lr_scheduler
 

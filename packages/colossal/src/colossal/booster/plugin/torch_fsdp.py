@@ -35,10 +35,10 @@ from colossal.booster.plugin.base import (
     has_lazy_tensors,
     repoint_optimizer,
 )
-from colossal.booster.plugin.fsdp_checkpoint_io import FSDPCheckpointIO, _target
+from colossal.booster.plugin.fsdp_checkpoint_io import FSDPCheckpointIO
 from colossal.booster.plugin.fsdp_compat import FSDP1Arguments
 from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.names import record_param_names
+from colossal.checkpoint_io.sharded import as_sharded
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator, parse_precision
 from colossal.core.precision import Precision
@@ -119,19 +119,19 @@ def _materialize_shards(
         ]
 
     real = {
-        name: _target(t)[0].detach().clone()
+        name: as_sharded(t).local().detach().clone()
         for name, t in named()
-        if name not in recipes and not _target(t)[0].is_meta
+        if name not in recipes and not as_sharded(t).local().is_meta
     }
     model.to_empty(device=device)
     with torch.no_grad():
         for name, tensor in named():
-            local, rows = _target(tensor)
+            shard = as_sharded(tensor)
             if name in real:
-                local.copy_(real.pop(name))
+                shard.local().copy_(real.pop(name))
             elif name in recipes:
                 full = materialize_tensor(recipes[name])
-                local.copy_(full if rows is None else full[rows])
+                shard.part.real(shard.local()).copy_(shard.part.take(full))
                 del full
 
 
@@ -286,7 +286,6 @@ class TorchFSDPPlugin(DPPluginBase):
         recipes = _lazy_recipes(model) if lazy else {}
         if not lazy:
             model = model.to(device)
-        names = record_param_names(optimizer, model) if optimizer is not None else []
         group_names = group_param_names(optimizer, model) if optimizer is not None else []
         mesh = self._mesh()
         kwargs = {
@@ -304,8 +303,7 @@ class TorchFSDPPlugin(DPPluginBase):
             _materialize_shards(model, recipes, device)
         if optimizer is not None:
             repoint_optimizer(optimizer, model, group_names)
-            optimizer = TorchFSDPOptimizer(optimizer)
-            optimizer.colossal_param_names = names  # type: ignore[attr-defined]
+            optimizer = TorchFSDPOptimizer(optimizer, param_names=group_names)
         return TorchFSDPModel(model), optimizer, criterion, dataloader, lr_scheduler
 
     def get_checkpoint_io(self) -> CheckpointIO:

@@ -1,0 +1,431 @@
+"""Sharded state: one contract for "a tensor of which this rank holds a part".
+
+Checkpoint IO (and, later, the gradient norm) speak only to :class:`ShardedTensor`, whatever
+parallelism produced the shard. An implementation says what the whole tensor is (``shape``
+and ``dtype``, unpadded), which part of it this rank holds (``part``), gives that part
+(``local()``) and gathers the whole tensor to one named rank (``gather(dst)``).
+
+Two kinds of part cover the layouts Colossal uses:
+
+* :class:`Block`: a box of the global tensor, ``offsets[d] : offsets[d] + sizes[d]`` along
+  every dim. A tensor-parallel shard is a block split along one dim (a column-parallel
+  linear's weight holds rows ``[r * n / tp, (r + 1) * n / tp)``); FSDP2's ``Shard(0)``
+  ``DTensor`` is a block of rows; a replicated tensor is the block of everything. When the
+  global tensor is padded for even splitting (a vocabulary padded to a multiple of the
+  tensor-parallel size), ``part`` describes only the real elements and ``local()`` may be
+  larger: its leading ``sizes`` along each dim are the part, the rest is padding.
+* :class:`FlatRange`: elements ``[start, stop)`` of the row-major flattened global tensor.
+  ZeRO keeps, per parameter, the elements of its flat bucket that fall into the rank's slice;
+  a Gemini chunk holds a flat range of each parameter stored in it. ``local()`` is 1-D, of
+  ``stop - start`` elements (or more, with padding at the end).
+
+A loader reads only the stored elements of its part (``part.read(...)`` with a reader such as
+``safe_open(...).get_slice``); a saver calls ``gather(dst)`` on every rank of the tensor's
+group, in the same order, and only ``dst`` receives the whole tensor.
+
+Implementations here: :class:`Replicated` (every rank holds everything; no communication)
+and :class:`LocalShard` (a part held in memory, gathered over a process group). ZeRO's
+optimizer states (``colossal.zero.StateRef``) and FSDP2's ``DTensor`` (an adapter in
+``colossal.checkpoint_io``) implement the protocol too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from colossal.core.comm import all_gather_object, broadcast, group_ranks, recv, send
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Block",
+    "FlatRange",
+    "LocalPart",
+    "LocalShard",
+    "Replicated",
+    "ShardedTensor",
+    "SliceReader",
+]
+
+SliceReader = Callable[[tuple[slice, ...] | None], torch.Tensor]
+"""``read(index)``: the stored tensor's ``[index]`` (the whole tensor for ``None``)."""
+
+
+def _shape(shape: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(int(s) for s in shape)
+    if any(s < 0 for s in out):
+        raise ValueError(f"shape {out} has a negative size")
+    return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """A box of the global tensor: ``offsets[d] : offsets[d] + sizes[d]`` along every dim.
+
+    Attributes:
+        offsets: First index along each dim.
+        sizes: Number of indices along each dim.
+
+    Raises:
+        ValueError: ``offsets`` and ``sizes`` differ in length or hold negative values.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        offsets, sizes = tuple(self.offsets), tuple(self.sizes)
+        if len(offsets) != len(sizes):
+            raise ValueError(
+                f"Block offsets {offsets} and sizes {sizes} must have one entry per dim"
+            )
+        if any(not isinstance(v, int) or v < 0 for v in (*offsets, *sizes)):
+            raise ValueError(f"Block offsets {offsets} and sizes {sizes} must be ints >= 0")
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "sizes", sizes)
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Block:
+        """The block of every element of a tensor of ``shape``."""
+        shape = _shape(shape)
+        return cls((0,) * len(shape), shape)
+
+    @classmethod
+    def along(cls, shape: Sequence[int], dim: int, start: int, stop: int) -> Block:
+        """Indices ``[start, stop)`` along ``dim`` and everything along the other dims."""
+        shape = _shape(shape)
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"dim={dim} is out of range for shape {shape}")
+        dim %= len(shape)
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        sizes = tuple(stop - start if d == dim else s for d, s in enumerate(shape))
+        return cls(offsets, sizes)
+
+    @property
+    def numel(self) -> int:
+        """Elements in the block."""
+        return math.prod(self.sizes)
+
+    def index(self) -> tuple[slice, ...]:
+        """The block as an index into the global tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
+
+    def check(self, shape: Sequence[int]) -> None:
+        """Raise ValueError unless the block lies inside a tensor of ``shape``."""
+        shape = _shape(shape)
+        if len(shape) != len(self.sizes) or any(
+            o + s > n for o, s, n in zip(self.offsets, self.sizes, shape, strict=True)
+        ):
+            raise ValueError(
+                f"{self} does not fit a tensor of shape {shape}; describe a part of that tensor"
+            )
+
+    def is_whole(self, shape: Sequence[int]) -> bool:
+        """Whether the block is the whole of a tensor of ``shape``."""
+        return self == Block.whole(shape)
+
+    def real(self, local: torch.Tensor) -> torch.Tensor:
+        """The leading ``sizes`` of ``local`` (a view without the padding).
+
+        Raises:
+            ValueError: ``local`` is smaller than the block or has another number of dims.
+        """
+        if local.dim() != len(self.sizes) or any(
+            n < s for n, s in zip(local.shape, self.sizes, strict=True)
+        ):
+            raise ValueError(
+                f"local tensor of shape {tuple(local.shape)} cannot hold {self}; pass the "
+                "tensor this rank holds"
+            )
+        return local[tuple(slice(0, s) for s in self.sizes)]
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This part of the global tensor ``full`` (a view)."""
+        self.check(full.shape)
+        return full[self.index()]
+
+    def put(self, full: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``values`` (the block's elements) into the global tensor ``full``."""
+        self.take(full).copy_(values.reshape(self.sizes))
+
+    def read(self, read: SliceReader, shape: Sequence[int]) -> torch.Tensor:
+        """Read only the block from a stored tensor of ``shape`` (shape ``sizes``)."""
+        self.check(shape)
+        if self.is_whole(shape):
+            return read(None)
+        return read(self.index())
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements ``[start, stop)`` of the row-major flattened global tensor.
+
+    Attributes:
+        start: First element.
+        stop: One past the last element.
+
+    Raises:
+        ValueError: ``start`` is negative or larger than ``stop``.
+    """
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, int) or not isinstance(self.stop, int):
+            raise ValueError(f"FlatRange bounds must be ints, got {self.start!r}, {self.stop!r}")
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(
+                f"FlatRange({self.start}, {self.stop}) needs 0 <= start <= stop"
+            )
+
+    @property
+    def numel(self) -> int:
+        """Elements in the range."""
+        return self.stop - self.start
+
+    def check(self, shape: Sequence[int]) -> None:
+        """Raise ValueError unless the range lies inside a tensor of ``shape``."""
+        total = math.prod(_shape(shape))
+        if self.stop > total:
+            raise ValueError(
+                f"{self} does not fit a tensor of shape {tuple(shape)} ({total} elements); "
+                "describe a part of that tensor"
+            )
+
+    def is_whole(self, shape: Sequence[int]) -> bool:
+        """Whether the range is every element of a tensor of ``shape``."""
+        return self.start == 0 and self.stop == math.prod(_shape(shape))
+
+    def real(self, local: torch.Tensor) -> torch.Tensor:
+        """The first ``numel`` elements of ``local``, flattened (without the padding).
+
+        Raises:
+            ValueError: ``local`` has fewer elements than the range.
+        """
+        if local.numel() < self.numel:
+            raise ValueError(
+                f"local tensor of {local.numel()} elements cannot hold {self}; pass the "
+                "tensor this rank holds"
+            )
+        return local.reshape(-1)[: self.numel]
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This part of the global tensor ``full`` (1-D)."""
+        self.check(full.shape)
+        return full.reshape(-1)[self.start : self.stop]
+
+    def put(self, full: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``values`` (the range's elements) into the global (contiguous) ``full``."""
+        self.check(full.shape)
+        full.view(-1)[self.start : self.stop].copy_(values.reshape(-1))
+
+    def read(self, read: SliceReader, shape: Sequence[int]) -> torch.Tensor:
+        """Read only the rows (dim 0) covering the range and trim them to it (1-D)."""
+        shape = _shape(shape)
+        self.check(shape)
+        if not shape or self.is_whole(shape):
+            return read(None).reshape(-1)[self.start : self.stop]
+        row = math.prod(shape[1:])
+        if row == 0 or self.numel == 0:
+            return read((slice(0, 0),)).reshape(-1)
+        first, last = self.start // row, -(-self.stop // row)
+        rows = read((slice(first, last),)).reshape(-1)
+        skip = self.start - first * row
+        return rows[skip : skip + self.numel]
+
+
+LocalPart = Block | FlatRange
+"""Which part of the global tensor a rank holds."""
+
+
+@runtime_checkable
+class ShardedTensor(Protocol):
+    """A tensor of which this rank holds a part (see the module docstring for the layouts).
+
+    ``gather`` is collective over the ranks that hold parts of the tensor (its group): every
+    one of them calls it, in the same order relative to other gathers.
+    """
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the whole, unpadded tensor."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type."""
+        ...
+
+    @property
+    def part(self) -> LocalPart:
+        """Which elements of the whole tensor this rank holds."""
+        ...
+
+    def local(self) -> torch.Tensor:
+        """This rank's elements (shaped like ``part``; may carry padding, see the module)."""
+        ...
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The whole tensor on global rank ``dst`` (every rank when None), None elsewhere."""
+        ...
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Replicated:
+    """The trivial :class:`ShardedTensor`: every rank holds the whole tensor.
+
+    Args:
+        tensor: The tensor (the same on every rank).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Replicated needs a torch.Tensor, got {type(tensor).__name__}")
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """The tensor's shape."""
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tensor's dtype."""
+        return self.tensor.dtype
+
+    @property
+    def part(self) -> Block:
+        """Everything."""
+        return Block.whole(self.tensor.shape)
+
+    def local(self) -> torch.Tensor:
+        """The tensor itself."""
+        return self.tensor
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The tensor itself on ``dst`` (or everywhere when None); no communication."""
+        return self.tensor if dst is None or dst == _this_rank() else None
+
+    def __repr__(self) -> str:
+        return f"Replicated(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class LocalShard:
+    """A part of a tensor held in memory; the parts of a process group make up the whole.
+
+    ``gather`` learns every rank's part (one small object all-gather), then moves only the
+    parts: point to point to ``dst``, or one broadcast per holder when ``dst`` is None. The
+    parts must cover the whole tensor; overlapping parts must agree (the last rank wins).
+
+    Args:
+        values: This rank's elements (shaped like ``part``, or larger with padding).
+        part: Which elements of the whole tensor they are.
+        shape: Shape of the whole, unpadded tensor.
+        group: The ranks whose parts make up the tensor (the whole job when None).
+
+    Raises:
+        TypeError: ``values`` is not a tensor or ``part`` not a :data:`LocalPart`.
+        ValueError: ``part`` does not fit ``shape`` or ``values`` cannot hold it.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        part: LocalPart,
+        shape: Sequence[int],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(
+                f"LocalShard values must be a torch.Tensor, got {type(values).__name__}"
+            )
+        if not isinstance(part, Block | FlatRange):
+            raise TypeError(f"part must be a Block or a FlatRange, got {type(part).__name__}")
+        self._shape = torch.Size(_shape(shape))
+        part.check(self._shape)
+        part.real(values)  # raises when values cannot hold the part
+        self.values, self._part, self.group = values, part, group
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the whole tensor."""
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The values' dtype."""
+        return self.values.dtype
+
+    @property
+    def part(self) -> LocalPart:
+        """Which elements this rank holds."""
+        return self._part
+
+    def local(self) -> torch.Tensor:
+        """This rank's values."""
+        return self.values
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The whole tensor on global rank ``dst`` (every rank when None); collective.
+
+        Raises:
+            ValueError: ``dst`` is not in the group, or the parts leave elements uncovered.
+        """
+        mine = self._part.real(self.values).reshape(-1).contiguous()
+        if not dist.is_initialized():
+            if dst not in (None, 0):
+                raise ValueError(f"dst={dst} is not a rank: torch.distributed is not initialized")
+            return self._assemble([(self._part, mine)])
+        ranks = list(group_ranks(self.group))
+        if dst is not None and dst not in ranks:
+            raise ValueError(f"dst={dst} is not a rank of the tensor's group {ranks}")
+        parts: list[LocalPart] = all_gather_object(self._part, self.group)
+        rank = dist.get_rank()
+        pieces: list[tuple[LocalPart, torch.Tensor]] = []
+        for holder, part in zip(ranks, parts, strict=True):
+            if part.numel == 0:
+                continue
+            if dst is None:
+                buf = mine.clone() if holder == rank else mine.new_empty(part.numel)
+                broadcast(buf, src=holder, group=self.group)
+                pieces.append((part, buf))
+            elif holder == rank and rank == dst:
+                pieces.append((part, mine))
+            elif holder == rank:
+                send(mine, dst=dst, group=self.group)
+            elif rank == dst:
+                buf = mine.new_empty(part.numel)
+                recv(buf, src=holder, group=self.group)
+                pieces.append((part, buf))
+        if dst is not None and rank != dst:
+            return None
+        return self._assemble(pieces)
+
+    def _assemble(self, pieces: list[tuple[LocalPart, torch.Tensor]]) -> torch.Tensor:
+        full = self.values.new_empty(self._shape)
+        covered = torch.zeros(self._shape, dtype=torch.bool)
+        for part, values in pieces:
+            part.put(full, values.to(full.device))
+            part.put(covered, torch.ones(part.numel, dtype=torch.bool))
+        if not bool(covered.all()):
+            missing = int((~covered).sum())
+            raise ValueError(
+                f"the parts of the group leave {missing} of {covered.numel()} elements of a "
+                f"tensor of shape {tuple(self._shape)} uncovered; every element must be held "
+                "by some rank"
+            )
+        return full
+
+    def __repr__(self) -> str:
+        return f"LocalShard(shape={tuple(self._shape)}, part={self._part}, dtype={self.dtype})"

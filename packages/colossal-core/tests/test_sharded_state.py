@@ -1,0 +1,171 @@
+"""The sharded-state protocol: parts, reading only a part, and gathering to a named rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colossal.core import (
+    Block,
+    FlatRange,
+    LocalShard,
+    OptimizerWrapper,
+    Replicated,
+    ShardedTensor,
+)
+from colossal.core.testing import distributed_test
+
+SHAPE = (5, 3)  # 15 elements: split unevenly over 2 ranks
+
+
+def _full() -> torch.Tensor:
+    return torch.arange(15, dtype=torch.float32).reshape(SHAPE) * 1.5 - 4
+
+
+def _reader(full: torch.Tensor, seen: list[object]):  # noqa: ANN202 - a SliceReader
+    def read(index: tuple[slice, ...] | None) -> torch.Tensor:
+        seen.append(index)
+        return full if index is None else full[index]
+
+    return read
+
+
+# ---- parts -----------------------------------------------------------------------------------
+def test_flat_range_reads_only_the_rows_covering_it() -> None:
+    # Catches: reading the whole tensor for a part, or an off-by-one at either end of a row.
+    full = _full()
+    for start, stop in [(0, 15), (4, 11), (3, 6), (7, 7), (14, 15), (0, 1)]:
+        seen: list[object] = []
+        got = FlatRange(start, stop).read(_reader(full, seen), SHAPE)
+        assert torch.equal(got, full.reshape(-1)[start:stop]), (start, stop)
+        if (start, stop) != (0, 15):
+            (index,) = seen
+            rows = index[0]
+            assert rows.start == start // 3 and rows.stop == -(-stop // 3) or start == stop
+
+
+def test_block_reads_exactly_its_box_and_puts_it_back() -> None:
+    # Catches: a block index that mixes offsets and sizes, or put/take at the wrong place.
+    full = _full()
+    block = Block((1, 1), (3, 2))
+    seen: list[object] = []
+    got = block.read(_reader(full, seen), SHAPE)
+    assert torch.equal(got, full[1:4, 1:3]) and seen == [(slice(1, 4), slice(1, 3))]
+    out = torch.zeros(SHAPE)
+    block.put(out, got)
+    assert torch.equal(out[1:4, 1:3], full[1:4, 1:3]) and out.sum() == full[1:4, 1:3].sum()
+    assert Block.along(SHAPE, 0, 3, 5) == Block((3, 0), (2, 3))
+    assert Block.whole(SHAPE).read(_reader(full, seen), SHAPE) is full  # no slicing at all
+
+
+def test_padded_local_tensor_holds_its_part_in_front() -> None:
+    # A vocabulary padded for tensor parallelism: rank 1 holds rows 3..5 of 5 in a 3-row buffer.
+    part = Block.along(SHAPE, 0, 3, 5)
+    padded = torch.full((3, 3), float("nan"))
+    padded[:2] = _full()[3:5]
+    shard = LocalShard(padded, part, SHAPE)
+    assert torch.equal(part.real(shard.local()), _full()[3:5])
+
+
+def test_bad_parts_are_refused() -> None:
+    with pytest.raises(ValueError, match="one entry per dim"):
+        Block((0,), (1, 2))
+    with pytest.raises(ValueError, match=">= 0"):
+        Block((0, -1), (1, 2))
+    with pytest.raises(ValueError, match="start <= stop"):
+        FlatRange(5, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        FlatRange(10, 16).check(SHAPE)
+    with pytest.raises(ValueError, match="does not fit"):
+        LocalShard(torch.zeros(2, 3), Block((4, 0), (2, 3)), SHAPE)
+    with pytest.raises(ValueError, match="cannot hold"):
+        LocalShard(torch.zeros(3), FlatRange(0, 4), SHAPE)
+    with pytest.raises(TypeError, match="Block or a FlatRange"):
+        LocalShard(torch.zeros(3), (0, 3), SHAPE)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        Replicated([1.0])  # type: ignore[arg-type]
+
+
+def test_implementations_satisfy_the_protocol() -> None:
+    full = _full()
+    for shard in (Replicated(full), LocalShard(full.reshape(-1)[2:9], FlatRange(2, 9), SHAPE)):
+        assert isinstance(shard, ShardedTensor)
+        assert shard.shape == torch.Size(SHAPE) and shard.dtype == torch.float32
+    assert not isinstance(full, ShardedTensor)  # a plain tensor is wrapped, not mistaken
+    assert Replicated(full).gather(0) is full  # world 1: no copy, no communication
+    assert torch.equal(LocalShard(full, Block.whole(SHAPE), SHAPE).gather(), full)
+
+
+# ---- gather to a named rank (world 2) ---------------------------------------------------------
+def _shards(rank: int) -> dict[str, object]:
+    full = _full()
+    rows = Block.along(SHAPE, 0, 0, 3) if rank == 0 else Block.along(SHAPE, 0, 3, 5)
+    flat = FlatRange(0, 7) if rank == 0 else FlatRange(7, 15)  # splits row 2
+    return {
+        "replicated": Replicated(full),
+        "rows": LocalShard(rows.take(full).clone(), rows, SHAPE),
+        "flat": LocalShard(flat.take(full).clone(), flat, SHAPE),
+    }
+
+
+@distributed_test(2)
+def test_gather_to_a_named_rank(rank: int, world_size: int) -> None:
+    # Catches: parts placed at the wrong offsets, a part sent to the wrong rank, or every rank
+    # receiving the tensor when only dst should.
+    from colossal.core import CommTracker
+
+    full = _full()
+    for kind, shard in _shards(rank).items():
+        for dst in range(world_size):
+            with CommTracker() as tracker:
+                got = shard.gather(dst)
+            if rank == dst:
+                assert got is not None and torch.equal(got, full), (kind, dst)
+            else:
+                assert got is None, (kind, dst)
+            if kind == "replicated":
+                assert tracker.calls() == 0
+            elif rank != dst:  # sends its own part once, receives nothing
+                assert tracker.calls("recv") == 0 and tracker.calls("broadcast") == 0
+                assert tracker.bytes("send") == shard.part.numel * 4, (kind, dst)
+        everywhere = shard.gather(None)
+        assert everywhere is not None and torch.equal(everywhere, full), kind
+
+
+@distributed_test(2)
+def test_gather_refuses_bad_input(rank: int, world_size: int) -> None:
+    shard = _shards(rank)["rows"]
+    with pytest.raises(ValueError, match="dst=5"):
+        shard.gather(5)
+    half = Block.along(SHAPE, 0, 0, 3)  # both ranks hold the same rows: 2 rows held by nobody
+    gap = LocalShard(half.take(_full()).clone(), half, SHAPE)
+    with pytest.raises(ValueError, match="6 of 15 elements"):
+        gap.gather(None)
+
+
+# ---- parameter names on the optimizer wrapper --------------------------------------------------
+def _optimizer() -> torch.optim.Optimizer:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.SGD([{"params": weights}, {"params": biases}], lr=0.1)
+
+
+def test_optimizer_wrapper_carries_validated_param_names() -> None:
+    names = [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    opt = OptimizerWrapper(_optimizer(), param_names=names)
+    assert opt.param_names == (("0.weight", "1.weight"), ("0.bias", "1.bias"))
+    assert OptimizerWrapper(_optimizer()).param_names is None
+    # Names are counted against the groups as wrapped, even if a subclass replaces them later.
+    opt.optim.param_groups[0]["params"] = opt.optim.param_groups[0]["params"][:1]
+    opt.set_param_names(names)
+    with pytest.raises(ValueError, match=r"\(2, 1\) names per group .* \(2, 2\)"):
+        OptimizerWrapper(_optimizer(), param_names=[names[0], ["0.bias"]])
+    with pytest.raises(ValueError, match="per group"):
+        OptimizerWrapper(_optimizer(), param_names=[names[0]])
+    with pytest.raises(ValueError, match=r"repeats \['0.weight'\]"):
+        OptimizerWrapper(_optimizer(), param_names=[names[0], ["0.weight", "1.bias"]])
+    with pytest.raises(TypeError, match="non-empty strings"):
+        OptimizerWrapper(_optimizer(), param_names=[names[0], ["0.bias", 3]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="one sequence of names per param group"):
+        OptimizerWrapper(_optimizer(), param_names="0.weight")

@@ -1,0 +1,143 @@
+"""What checkpoint IO sees of any tensor: a :class:`colossal.core.ShardedTensor`.
+
+:func:`as_sharded` turns whatever a plugin hands over into the protocol: sharded states that
+implement it already (ZeRO's ``StateRef``) pass through, FSDP2's ``DTensor`` gets the
+:class:`DTensorShard` adapter, and a plain tensor is :class:`colossal.core.Replicated`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal.core import Block, Replicated, ShardedTensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DTensorShard", "as_sharded", "is_sharded"]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        return None
+    return DTensor
+
+
+def is_sharded(value: Any) -> bool:
+    """Whether ``value`` is a tensor of which a rank may hold only a part (not a plain one)."""
+    dtensor = _dtensor_type()
+    return isinstance(value, ShardedTensor) or (dtensor is not None and isinstance(value, dtensor))
+
+
+def as_sharded(value: Any) -> ShardedTensor:
+    """``value`` as a :class:`colossal.core.ShardedTensor`.
+
+    Raises:
+        TypeError: ``value`` is neither a tensor nor a sharded tensor.
+    """
+    if isinstance(value, ShardedTensor):
+        return value
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return DTensorShard(value)
+    if isinstance(value, torch.Tensor):
+        return Replicated(value)
+    raise TypeError(
+        f"expected a tensor or a colossal.core.ShardedTensor, got {type(value).__name__}"
+    )
+
+
+class DTensorShard:
+    """A ``DTensor`` on a 1-D mesh (FSDP2) as a :class:`colossal.core.ShardedTensor`.
+
+    ``Shard(d)`` holds a :class:`colossal.core.Block` of indices along ``d`` (torch's even
+    split: ``ceil(n / world)`` each, the last ranks fewer or none); ``Replicate()`` holds all.
+
+    Args:
+        tensor: The DTensor.
+
+    Raises:
+        NotImplementedError: Other meshes or placements (several mesh dims, partial sums).
+    """
+
+    def __init__(self, tensor: Any) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        self.tensor = tensor
+        placements = tuple(tensor.placements)
+        if len(placements) != 1 or not isinstance(placements[0], Shard | Replicate):
+            raise NotImplementedError(
+                f"checkpoints of a DTensor with placements {placements} are not supported; "
+                "use one Shard(dim) or Replicate() placement on a 1-D mesh"
+            )
+        self._part = _block_of(tensor, placements[0])
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype."""
+        return self.tensor.dtype
+
+    @property
+    def part(self) -> Block:
+        """The block of the global tensor this rank's local tensor holds."""
+        return self._part
+
+    def local(self) -> torch.Tensor:
+        """This rank's local tensor (shares storage with the DTensor)."""
+        return self.tensor.to_local()
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The full CPU tensor on global rank ``dst`` (every rank when None); collective.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the DTensor's mesh.
+        """
+        if dst is not None:
+            ranks = self.tensor.device_mesh.mesh.flatten().tolist()
+            if dst not in ranks:
+                raise ValueError(f"dst={dst} is not a rank of the DTensor's mesh {ranks}")
+        full = self.tensor.full_tensor()  # every rank joins the all-gather
+        if dst is not None and dst != dist.get_rank():
+            return None
+        return full.cpu()
+
+    def wrap(self, local: torch.Tensor) -> Any:
+        """A DTensor laid out like this one, holding ``local`` (this rank's part)."""
+        from torch.distributed.tensor import DTensor
+
+        mine = self.tensor.to_local()
+        return DTensor.from_local(
+            local.to(mine.device).reshape(mine.shape),
+            self.tensor.device_mesh,
+            self.tensor.placements,
+            shape=self.tensor.shape,
+            stride=self.tensor.stride(),
+            run_check=False,
+        )
+
+    def __repr__(self) -> str:
+        return f"DTensorShard(shape={tuple(self.shape)}, part={self._part})"
+
+
+def _block_of(tensor: Any, placement: Any) -> Block:
+    from torch.distributed.tensor import Shard
+
+    shape = tuple(tensor.shape)
+    if not isinstance(placement, Shard) or not shape:
+        return Block.whole(shape)
+    dim = placement.dim % len(shape)
+    mesh = tensor.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunk = -(-shape[dim] // world)
+    lo = min(shape[dim], rank * chunk)
+    return Block.along(shape, dim, lo, min(shape[dim], lo + chunk))

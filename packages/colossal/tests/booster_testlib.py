@@ -99,11 +99,11 @@ def train_steps(
 
 
 def reference(
-    steps: int, make: Callable[[], nn.Module] | None = None
+    steps: int, make: Callable[[], nn.Module] | None = None, lr: float = 1e-2
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process fp32 training of ``make()`` (default: ``make_model``) on the global batch."""
     model = (make or make_model)()
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, lr=lr)
     losses = []
     for step in range(steps):
         x, y = batch(step)

@@ -1,10 +1,9 @@
 """Reduce-scatter and all-gather of flat tensors, with the algorithm chosen per backend.
 
-gloo's native reduce-scatter and all-gather are slow. Measured here on 16M fp32 elements
-(world 2 / world 4): all-gather 160 / 330 ms native, 107 / 117 ms as one all-reduce, 35 / 69 ms
-as one broadcast per rank; reduce-scatter 183 / 300 ms native, 107 / 117 ms as one all-reduce,
-96 / 96 ms as one reduce per rank. So on gloo ``algorithm="auto"`` uses the *rooted* forms
-(a broadcast or a reduce rooted at each rank for its slice); other backends use their own.
+On gloo, ``algorithm="auto"`` uses the *rooted* forms (a broadcast or a reduce rooted at
+each rank for its slice), because gloo's native reduce-scatter and all-gather are slower than
+them (and than one all-reduce); other backends use their own. The measurements are in
+colossal-core's CHANGELOG.
 Whatever the algorithm, the comm tracker records one logical collective and its full size.
 """
 

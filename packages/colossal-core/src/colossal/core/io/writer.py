@@ -47,9 +47,10 @@ class AsyncTensorWriter:
     By default :meth:`save` snapshots the tensors before it returns, so the caller may modify
     them right away. The copy goes into a staging buffer that is kept for the next save
     (``reuse_staging``) because copying into fresh memory is several times slower (page
-    faults). The caller is then blocked for one memory copy of the data, which is under 10% of
-    the write time only when storage (with fsync) is ~10x slower than memcpy; ``copy=False``
-    blocks for microseconds but needs the caller's promise (see ``benchmarks/async_io.py``).
+    faults). The caller is then blocked for one memory copy of the data, which is small
+    against the write time only when storage (with fsync) is much slower than memcpy;
+    ``copy=False`` blocks only to hand the tensors over but needs the caller's promise (see
+    ``benchmarks/async_io.py``).
 
     Args:
         chunk_bytes: Bytes per file write (rounded down to whole 4 KiB blocks for direct IO).
@@ -62,8 +63,8 @@ class AsyncTensorWriter:
         direct_io: Write with ``O_DIRECT`` (bypassing the page cache) where the OS and the
             filesystem support it, else buffered. Direct IO writes by DMA from aligned memory
             (the staging buffer, or with ``copy=False`` two chunk-sized bounce buffers):
-            measured up to several times faster than buffered writes on a busy host, and it
-            does not evict the page cache.
+            faster than buffered writes on a busy host (see ``benchmarks/async_io.py``), and
+            it does not evict the page cache.
         max_workers: Threads that run the blocking file calls.
 
     Example:

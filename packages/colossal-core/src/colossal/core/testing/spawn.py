@@ -95,7 +95,8 @@ def _context() -> mp.context.BaseContext:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # symbolic_shapes is imported lazily by the first backward with explicit gradients (~0.8 s).
+    # symbolic_shapes is imported lazily (and slowly) by the first backward with explicit
+    # gradients.
     ctx.set_forkserver_preload(
         ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "colossal.core"]
     )

@@ -156,7 +156,7 @@ class Booster:
     def _snapshot_fence(self, *_: Any) -> None:
         self.checkpoint_io.wait_snapshots()
 
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """Back-propagate ``loss`` through the boosted optimizer (scaling where needed)."""
         optimizer.backward(loss)
 
@@ -165,7 +165,7 @@ class Booster:
         data_iter: Iterator[Any],
         model: nn.Module,
         criterion: Callable[..., Any],
-        optimizer: Any = None,
+        optimizer: OptimizerWrapper | None = None,
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict[str, Any]:
@@ -184,7 +184,9 @@ class Booster:
             data_iter, model, criterion, optimizer, return_loss, return_outputs
         )
 
-    def no_sync(self, model: nn.Module | None = None, optimizer: Any = None) -> Any:
+    def no_sync(
+        self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None
+    ) -> Any:
         """Context for accumulating gradients without communication.
 
         Raises:
@@ -311,7 +313,7 @@ class Booster:
 
     def save_optimizer(
         self,
-        optimizer: Any,
+        optimizer: OptimizerWrapper,
         checkpoint: str,
         shard: bool = False,
         gather_dtensor: bool = True,
@@ -332,7 +334,7 @@ class Booster:
             background_snapshot=optimizer in self._fenced,
         )
 
-    def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
         """Load an optimizer directory saved under any plugin and world size."""
         self.checkpoint_io.load_optimizer(optimizer, checkpoint)
 

@@ -262,7 +262,7 @@ class CheckpointIO:
     # ---- optimizer -------------------------------------------------------------------------
     def save_optimizer(
         self,
-        optimizer: Any,
+        optimizer: OptimizerWrapper,
         checkpoint: str,
         shard: bool = False,
         size_per_shard: int = 1024,
@@ -288,7 +288,7 @@ class CheckpointIO:
             background=set(tensors) if background_snapshot else (),
         )
 
-    def load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
         """Load an optimizer directory saved by any plugin at any world size.
 
         Collective over the group when it has several ranks, as :meth:`load_model`.

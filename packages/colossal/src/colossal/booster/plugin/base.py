@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from colossal.booster.plugin.dataloader import build_dataloader
 from colossal.checkpoint_io.names import group_param_names
-from colossal.core import ParallelDims
+from colossal.core import OptimizerWrapper, ParallelDims
 from colossal.lazy import LazyInitContext, is_lazy
 
 if TYPE_CHECKING:
@@ -105,7 +105,9 @@ class Plugin(abc.ABC):
     def get_checkpoint_io(self) -> CheckpointIO:
         """The checkpoint IO for models and optimizers boosted by this plugin."""
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
         """Context in which backward passes accumulate gradients without communication.
 
         Raises:

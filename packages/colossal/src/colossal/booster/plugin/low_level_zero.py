@@ -21,7 +21,13 @@ from colossal.booster.plugin.base import DPPluginBase, materialize_model
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
-from colossal.core import ModelWrapper, ScalerConfig, get_accelerator, parse_precision
+from colossal.core import (
+    ModelWrapper,
+    OptimizerWrapper,
+    ScalerConfig,
+    get_accelerator,
+    parse_precision,
+)
 from colossal.zero import LowLevelZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -208,7 +214,9 @@ class LowLevelZeroPlugin(DPPluginBase):
         """Checkpoint IO that also refreshes the fp32 masters after a model load."""
         return self._checkpoint_io
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
         """The optimizer's ``no_sync`` (stage 1 only).
 
         Raises:

@@ -141,7 +141,9 @@ class TorchDDPPlugin(DPPluginBase):
         """The default checkpoint IO (every rank holds full tensors)."""
         return CheckpointIO(self.dp_group)
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
         """DDP's ``no_sync``: gradients accumulate locally until the next synced backward."""
         ddp = find_module(model, DistributedDataParallel)
         if ddp is None:

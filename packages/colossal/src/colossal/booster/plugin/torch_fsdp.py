@@ -318,6 +318,8 @@ class TorchFSDPPlugin(DPPluginBase):
         finally:
             module.set_requires_gradient_sync(True)
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> contextlib.AbstractContextManager:
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
         """Accumulate gradients without reduce-scatter until the context exits."""
         return self._no_sync(unwrap_model(model))

@@ -283,9 +283,16 @@ class Booster:
     ) -> None:
         """Save the model as a Hugging Face safetensors directory (collective).
 
+        Only the model's own files in ``checkpoint`` are replaced: the optimizer and the lr
+        scheduler may be saved into the same directory, and the user's files and folders there
+        are never touched. Until the new index replaces the old one, the previous model
+        checkpoint there stays loadable, so an interrupted save loses nothing.
+
         Args:
             model: The boosted model.
-            checkpoint: Directory (replaced atomically once the save is complete).
+            checkpoint: Directory (created if needed; a read-only one raises
+                ``PermissionError``), or, with ``shard=False``, a path ending in
+                ``.safetensors`` to write the weights as that one file.
             shard: Split into files of ``size_per_shard`` MB.
             gather_dtensor: Kept for API compatibility (tensors are always saved full).
             prefix: Kept for API compatibility.
@@ -308,7 +315,14 @@ class Booster:
         )
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
-        """Load a model directory saved under any plugin and world size."""
+        """Load a model saved under any plugin and world size, or a checkpoint users have.
+
+        ``checkpoint``: a Colossal checkpoint directory, a Hugging Face model directory
+        (``model.safetensors``, sharded safetensors with their index, ``pytorch_model.bin``),
+        a ``.safetensors`` file or a ``torch.save``'d state dict (with or without a
+        ``module.`` prefix). Which one was found is logged; any other file is refused with
+        an error that says what it is.
+        """
         self.checkpoint_io.load_model(model, checkpoint, strict)
 
     def save_optimizer(
@@ -321,9 +335,10 @@ class Booster:
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save the optimizer state (by parameter name) as a directory (collective).
+        """Save the optimizer state (by parameter name) into a directory (collective).
 
-        With ``use_async`` it returns at once; see :meth:`save_model`.
+        Only the optimizer's own files there are replaced (see :meth:`save_model`). With
+        ``use_async`` it returns at once; see :meth:`save_model`.
         """
         self.checkpoint_io.save_optimizer(
             optimizer,
@@ -335,15 +350,23 @@ class Booster:
         )
 
     def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
-        """Load an optimizer directory saved under any plugin and world size."""
+        """Load an optimizer directory saved under any plugin and world size.
+
+        Another model's optimizer state (other parameter names or shapes) is refused with a
+        ``CheckpointError`` before anything is loaded, under every plugin.
+        """
         self.checkpoint_io.load_optimizer(optimizer, checkpoint)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
-        """Save the lr scheduler's state (a JSON file; collective)."""
+        """Save the lr scheduler's state (collective).
+
+        ``checkpoint`` is a JSON file, or a directory (e.g. the model's) to write
+        ``lr_scheduler.json`` into.
+        """
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
-        """Load the lr scheduler's state."""
+        """Load the lr scheduler's state (a JSON file, or a directory holding one)."""
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
 
     def wait_async_snapshots(self) -> None:

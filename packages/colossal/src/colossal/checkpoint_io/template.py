@@ -19,9 +19,11 @@ from torch import nn
 
 from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.commit import resolve_directory
+from colossal.checkpoint_io.formats import COLOSSAL, detect_model_checkpoint, open_model_reader
 from colossal.checkpoint_io.hf_config import hf_config_files
 from colossal.checkpoint_io.index import CheckpointError, read_index
 from colossal.checkpoint_io.names import param_names
+from colossal.checkpoint_io.optimizer_fit import check_optimizer_fits, param_shapes_entry
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
@@ -178,14 +180,18 @@ class CheckpointIO:
         use_async: bool = False,
         background_snapshot: bool = False,
     ) -> None:
-        """Save ``model`` as the directory ``checkpoint`` (collective).
+        """Save ``model`` into the directory ``checkpoint`` (collective).
 
         A Hugging Face model's ``config.json`` (and ``generation_config.json``) is written with
-        the weights and committed with them, so ``from_pretrained(checkpoint)`` loads it.
+        the weights, so ``from_pretrained(checkpoint)`` loads it. Only the model's own files
+        are replaced (the optimizer's, the scheduler's and the user's stay); the previous
+        model checkpoint there stays loadable until the new index replaces its index. With
+        ``shard=False`` and a ``checkpoint`` ending in ``.safetensors``, the weights are
+        written as that one file instead (no index, no config).
 
         Args:
             model: A boosted (or plain) model.
-            checkpoint: Target directory (replaced atomically when the save completes).
+            checkpoint: Target directory (created if needed), or a ``.safetensors`` file.
             shard: Split into files of at most ``size_per_shard`` MB (else one file).
             size_per_shard: MB per shard.
             use_safetensors: Must be True: the format is safetensors.
@@ -197,6 +203,7 @@ class CheckpointIO:
 
         Raises:
             ValueError: ``use_safetensors=False``.
+            PermissionError: ``checkpoint`` is a read-only directory.
         """
         if not use_safetensors:
             raise ValueError(
@@ -205,6 +212,15 @@ class CheckpointIO:
         state = _dedupe_tied(self.model_state(model))
         limit = size_per_shard if shard else float("inf")
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+        if not shard and checkpoint.endswith(".safetensors") and not os.path.isdir(checkpoint):
+            self.saver.save_file(
+                state,
+                checkpoint,
+                use_async=use_async,
+                gather=self.to_full,
+                background=set(params) if background_snapshot else (),
+            )
+            return
         self.saver.save(
             state,
             checkpoint,
@@ -218,22 +234,28 @@ class CheckpointIO:
         )
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
-        """Load a model directory saved by any plugin at any world size.
+        """Load a model checkpoint saved by any plugin at any world size, or one users have.
 
-        Collective over the group when it has several ranks (they share the checksum reads
-        and agree on the verdict); each rank reads only the tensors or slices it keeps.
+        ``checkpoint`` may be a Colossal checkpoint directory, a Hugging Face model directory
+        (``model.safetensors``, safetensors shards with ``model.safetensors.index.json``, or
+        ``pytorch_model.bin``), a ``.safetensors`` file or a ``torch.save``'d state dict
+        (a ``module.`` prefix on every name is dropped); which one was found is logged.
+        Collective over the group when it has several ranks (for a Colossal checkpoint they
+        share the checksum reads and agree on the verdict); each rank reads only the tensors
+        or slices it keeps (a ``torch.save``'d file is read whole).
 
         Raises:
-            CheckpointError: Incomplete/corrupt checkpoint, missing or unexpected tensors
-                (``strict``), or shapes that differ (another model's checkpoint).
+            FileNotFoundError: ``checkpoint`` does not exist.
+            CheckpointError: ``checkpoint`` is none of the above (the message says what it
+                is), incomplete/corrupt, lacks or has unexpected tensors (``strict``), or
+                has tensors of other shapes (another model's checkpoint).
         """
         self.wait_snapshots()
-        directory = resolve_directory(checkpoint)
-        index = read_index(directory, MODEL_INDEX, self.verify_checksums, self.group)
-        reader = TensorReader(directory, index["weight_map"])
         module = unwrap_model(model)
         targets, aliases = _load_targets(module.state_dict())
-        saved = set(index["weight_map"])
+        reader = self._model_reader(checkpoint, [a for n in targets for a in aliases[n]])
+        directory = reader.directory
+        saved = set(reader.weight_map)
         chosen: dict[str, torch.Tensor] = {}
         missing = []
         for name, target in targets.items():
@@ -259,6 +281,16 @@ class CheckpointIO:
         self.load_model_state(model, chosen, reader)
         reader.close()
 
+    def _model_reader(self, checkpoint: str, names: list[str]) -> TensorReader:
+        """A reader over the model checkpoint at ``checkpoint``, whatever its format."""
+        path = checkpoint if os.path.exists(checkpoint) else resolve_directory(checkpoint)
+        source = detect_model_checkpoint(path)
+        logger.info("loading the model from %s", source.description)
+        if source.kind != COLOSSAL:
+            return open_model_reader(source, names)
+        index = read_index(source.directory, MODEL_INDEX, self.verify_checksums, self.group)
+        return TensorReader(source.directory, index["weight_map"])
+
     # ---- optimizer -------------------------------------------------------------------------
     def save_optimizer(
         self,
@@ -269,12 +301,14 @@ class CheckpointIO:
         use_async: bool = False,
         background_snapshot: bool = False,
     ) -> None:
-        """Save the optimizer's state as the directory ``checkpoint`` (collective).
+        """Save the optimizer's state into the directory ``checkpoint`` (collective).
 
+        Only the optimizer's own files there are replaced, as in :meth:`save_model`.
         ``use_async`` and ``background_snapshot`` as in :meth:`save_model` (every state tensor
         may be snapshotted in the background: only the optimizer's step changes them).
         """
         tensors, meta = indexed_to_named(self.optimizer_state(optimizer), param_names(optimizer))
+        meta["param_shapes"] = param_shapes_entry(self._param_shapes(optimizer))
         limit = size_per_shard if shard else float("inf")
         self.saver.save(
             tensors,
@@ -294,14 +328,22 @@ class CheckpointIO:
         Collective over the group when it has several ranks, as :meth:`load_model`.
 
         Raises:
-            CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters.
+            CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters (other
+                names or shapes: another model's), refused before anything is loaded.
         """
         self.wait_snapshots()
         directory = resolve_directory(checkpoint)
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
         reader = TensorReader(directory, index["weight_map"])
+        check_optimizer_fits(index, reader.shape, self._param_shapes(optimizer))
         self.load_optimizer_state(optimizer, index, reader)
         reader.close()
+
+    def _param_shapes(self, optimizer: OptimizerWrapper) -> dict[str, tuple[int, ...]]:
+        """Global shape of each parameter of ``optimizer``, by name."""
+        names = param_names(optimizer)
+        layouts = self.optimizer_layout(optimizer)
+        return {names[i]: tuple(layout.shape) for i, layout in layouts.items()}
 
     # ---- lr scheduler ----------------------------------------------------------------------
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:

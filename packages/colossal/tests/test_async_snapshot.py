@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from booster_testlib import batch, make_model, make_optimizer
 from safetensors.torch import load_file
@@ -31,7 +32,8 @@ def _saved(directory: str, index_name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_step_waits_for_background_snapshot(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("same_directory", [False, True])
+def test_step_waits_for_background_snapshot(tmp_path, monkeypatch, same_directory) -> None:
     copies = []
     stage = writer_mod.stage_tensors
 
@@ -49,18 +51,21 @@ def test_step_waits_for_background_snapshot(tmp_path, monkeypatch) -> None:
     named = dict(unwrap_model(model).named_parameters())
     live = optimizer.unwrap().state
     exp_avg = {f"{n}.exp_avg": live[p]["exp_avg"].clone() for n, p in named.items()}
-    booster.save_model(model, f"{tmp_path}/model", use_async=True)
-    booster.save_optimizer(optimizer, f"{tmp_path}/optim", use_async=True)
+    model_dir = f"{tmp_path}/ck" if same_directory else f"{tmp_path}/model"
+    optim_dir = f"{tmp_path}/ck" if same_directory else f"{tmp_path}/optim"
+    booster.save_model(model, model_dir, use_async=True)
+    # In one directory too, the optimizer's save does not wait for the model's to commit.
+    booster.save_optimizer(optimizer, optim_dir, use_async=True)
     assert copies == []  # both saves returned before their snapshots were taken
     _step(booster, model, optimizer, 1)  # step() must wait for the snapshots first
     assert len(copies) == 2 and all("snapshot" in name for name in copies)
     changed = [n for n, p in named.items() if not torch.equal(p, params[n])]
     assert changed  # the step did change the weights, so the files below could be wrong
     booster.wait_async_saves()
-    saved = _saved(f"{tmp_path}/model", MODEL_INDEX)
+    saved = _saved(model_dir, MODEL_INDEX)
     for name, value in params.items():
         assert torch.equal(saved[name], value), name
-    state = _saved(f"{tmp_path}/optim", OPTIMIZER_INDEX)
+    state = _saved(optim_dir, OPTIMIZER_INDEX)
     assert set(exp_avg) <= set(state)
     for key, value in exp_avg.items():
         assert torch.equal(state[key], value), key

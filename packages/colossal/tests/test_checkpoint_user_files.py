@@ -90,17 +90,19 @@ def _save_read_only(rank: int, world: int, path: str) -> str:
     return str(info.value)
 
 
-def test_save_into_read_only_directory_fails_and_leaves_it(tmp_path) -> None:
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_into_read_only_directory_fails_and_leaves_it(tmp_path, world) -> None:
     path = str(tmp_path / "ro")
     _user_files(path)
     os.chmod(path, 0o555)
     before = os.stat(path)
     try:
-        [message] = spawn(_save_read_only, 1, args=(path,))
+        messages = spawn(_save_read_only, world, args=(path,))  # every rank raises, none hangs
         after = os.stat(path)
         # caught: the directory was replaced by a new, writable one (another inode)
         assert (after.st_ino, stat.S_IMODE(after.st_mode)) == (before.st_ino, 0o555)
-        assert path in message and "read-only" in message
+        for message in messages:
+            assert path in message and "read-only" in message
         assert sorted(os.listdir(path)) == ["notes.txt", "run1"]
         assert not [n for n in os.listdir(tmp_path) if n != "ro"]
     finally:

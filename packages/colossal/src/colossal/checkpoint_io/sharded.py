@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from colossal.core import Block, Replicated, ShardedTensor
+from colossal.core.comm import recv, send
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class DTensorShard:
                 "use one Shard(dim) or Replicate() placement on a 1-D mesh"
             )
         self._part = _block_of(tensor, placements[0])
+        self._sharded = isinstance(placements[0], Shard) and tensor.dim() > 0
 
     @property
     def shape(self) -> torch.Size:
@@ -99,16 +101,38 @@ class DTensorShard:
     def gather(self, dst: int | None = None) -> torch.Tensor | None:
         """The full CPU tensor on global rank ``dst`` (every rank when None); collective.
 
+        With ``dst`` only that rank receives: every other rank sends it its block (point to
+        point over the mesh's group), so no rank but ``dst`` holds the whole tensor.
+
         Raises:
             ValueError: ``dst`` is not a rank of the DTensor's mesh.
         """
-        if dst is not None:
-            ranks = self.tensor.device_mesh.mesh.flatten().tolist()
-            if dst not in ranks:
-                raise ValueError(f"dst={dst} is not a rank of the DTensor's mesh {ranks}")
-        full = self.tensor.full_tensor()  # every rank joins the all-gather
-        if dst is not None and dst != dist.get_rank():
+        if dst is None:
+            return self.tensor.full_tensor().cpu()  # every rank joins the all-gather
+        mesh = self.tensor.device_mesh
+        ranks = mesh.mesh.flatten().tolist()
+        if dst not in ranks:
+            raise ValueError(f"dst={dst} is not a rank of the DTensor's mesh {ranks}")
+        rank = dist.get_rank()
+        mine = self._part.real(self.local()).contiguous()
+        if not self._sharded:  # replicated: dst has it already
+            return mine.cpu() if rank == dst else None
+        group = mesh.get_group()
+        if rank != dst:
+            if mine.numel():
+                send(mine, dst=dst, group=group)
             return None
+        full = mine.new_empty(self.shape)
+        for index, holder in enumerate(ranks):
+            part = _block_of(self.tensor, self.tensor.placements[0], index)
+            if part.numel == 0:
+                continue
+            if holder == rank:
+                part.put(full, mine)
+            else:
+                received = mine.new_empty(part.sizes)
+                recv(received, src=holder, group=group)
+                part.put(full, received)
         return full.cpu()
 
     def wrap(self, local: torch.Tensor) -> Any:
@@ -129,7 +153,8 @@ class DTensorShard:
         return f"DTensorShard(shape={tuple(self.shape)}, part={self._part})"
 
 
-def _block_of(tensor: Any, placement: Any) -> Block:
+def _block_of(tensor: Any, placement: Any, rank: int | None = None) -> Block:
+    """The block that mesh rank ``rank`` (this rank when None) holds of ``tensor``."""
     from torch.distributed.tensor import Shard
 
     shape = tuple(tensor.shape)
@@ -137,7 +162,8 @@ def _block_of(tensor: Any, placement: Any) -> Block:
         return Block.whole(shape)
     dim = placement.dim % len(shape)
     mesh = tensor.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world = mesh.size()
+    rank = mesh.get_local_rank() if rank is None else rank
     chunk = -(-shape[dim] // world)
     lo = min(shape[dim], rank * chunk)
     return Block.along(shape, dim, lo, min(shape[dim], lo + chunk))

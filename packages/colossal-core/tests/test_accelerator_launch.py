@@ -134,11 +134,17 @@ def test_launch_from_torch_bad_integer(monkeypatch: pytest.MonkeyPatch) -> None:
 def _seeded_and_relaunched(rank: int, world_size: int) -> list[float]:
     import torch.distributed as dist
 
-    from colossal.core.comm import all_gather_object
+    from colossal.core.comm import all_gather_object, broadcast_object
+    from colossal.core.testing import free_port
 
     draws = torch.rand(3).tolist()
     assert all_gather_object(draws) == [draws] * world_size  # same seed on every rank
+    port = broadcast_object(free_port() if rank == 0 else None, src=0)
     dist.destroy_process_group()
+    # The old group, and its store on the harness's port, live until the process exits.
+    with pytest.raises(ValueError, match="was used by an earlier launch in this process"):
+        launch_from_torch(seed=7, verbose=False)
+    os.environ["MASTER_PORT"] = str(port)
     launch_from_torch(seed=7, verbose=False)  # the harness exported torchrun's variables
     assert dist.get_world_size() == world_size and dist.get_rank() == rank
     with pytest.raises(RuntimeError, match="already initialized"):

@@ -26,6 +26,9 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 """Environment variables holding the local rank (torchrun, SLURM, OpenMPI), in lookup order."""
 
+# (host, port) of every launch() of this process: their stores live on with their groups.
+_used_rendezvous: set[tuple[str, int]] = set()
+
 # The local rank given to (or read from the environment by) the last successful launch() of
 # this process; None when launch was not used or got none. A plain int, never a process group.
 _launched_local_rank: int | None = None
@@ -110,6 +113,13 @@ def launch(
             "torch.distributed is already initialized; call launch only once per process "
             "(destroy the old group with torch.distributed.destroy_process_group() first)"
         )
+    rendezvous = (str(host), port_num)
+    if rendezvous in _used_rendezvous:
+        raise ValueError(
+            f"port {port_num} on {host} was used by an earlier launch in this process, whose "
+            "group (and its rendezvous store) stays alive until the process exits (see "
+            "colossal.core.group_lifetime); pass a new port (MASTER_PORT) to launch again"
+        )
     accelerator = get_accelerator()
     backend = backend or accelerator.communication_backend
     if accelerator.name != "cpu":
@@ -123,6 +133,7 @@ def launch(
         timeout=_as_timedelta(timeout),
     )
     keep_alive(dist.group.WORLD)
+    _used_rendezvous.add(rendezvous)
     global _launched_local_rank
     _launched_local_rank = local_rank
     _register_exit_hook()

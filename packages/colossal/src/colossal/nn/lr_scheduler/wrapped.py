@@ -28,7 +28,30 @@ def _check_lambda(owner: str, lr_lambda: LrLambda | None) -> LrLambda:
     return lr_lambda
 
 
-class LambdaLR(torch_sched.LambdaLR):
+class _LambdaSchedulerInit:
+    """The ``__init__`` shared by ``LambdaLR`` and ``MultiplicativeLR``.
+
+    Checks the arguments, keeps ``total_steps`` and hands the rest to the torch scheduler
+    that follows this mixin in the MRO.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        total_steps: int,
+        lr_lambda: LrLambda | None = None,
+        last_epoch: int = -1,
+    ) -> None:
+        owner = type(self).__name__
+        self.total_steps, _ = check_steps(owner, total_steps)
+        super().__init__(
+            torch_optimizer(optimizer, owner),
+            _check_lambda(owner, lr_lambda),  # type: ignore[arg-type]
+            last_epoch=check_last_epoch(owner, last_epoch),
+        )
+
+
+class LambdaLR(_LambdaSchedulerInit, torch_sched.LambdaLR):
     """``lr(s) = b * lr_lambda(s)`` (``torch.optim.lr_scheduler.LambdaLR``).
 
     Only callable objects (not plain functions or lambdas) are part of ``state_dict()``; a
@@ -44,23 +67,8 @@ class LambdaLR(torch_sched.LambdaLR):
         ValueError: ``lr_lambda`` missing or ``total_steps < 1``.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        total_steps: int,
-        lr_lambda: LrLambda | None = None,
-        last_epoch: int = -1,
-    ) -> None:
-        owner = type(self).__name__
-        self.total_steps, _ = check_steps(owner, total_steps)
-        super().__init__(
-            torch_optimizer(optimizer, owner),
-            _check_lambda(owner, lr_lambda),  # type: ignore[arg-type]
-            last_epoch=check_last_epoch(owner, last_epoch),
-        )
 
-
-class MultiplicativeLR(torch_sched.MultiplicativeLR):
+class MultiplicativeLR(_LambdaSchedulerInit, torch_sched.MultiplicativeLR):
     """``lr(s) = lr(s - 1) * lr_lambda(s)`` for ``s >= 1`` (torch's ``MultiplicativeLR``).
 
     Args:
@@ -72,21 +80,6 @@ class MultiplicativeLR(torch_sched.MultiplicativeLR):
     Raises:
         ValueError: ``lr_lambda`` missing or ``total_steps < 1``.
     """
-
-    def __init__(
-        self,
-        optimizer: Any,
-        total_steps: int,
-        lr_lambda: LrLambda | None = None,
-        last_epoch: int = -1,
-    ) -> None:
-        owner = type(self).__name__
-        self.total_steps, _ = check_steps(owner, total_steps)
-        super().__init__(
-            torch_optimizer(optimizer, owner),
-            _check_lambda(owner, lr_lambda),  # type: ignore[arg-type]
-            last_epoch=check_last_epoch(owner, last_epoch),
-        )
 
 
 class OneCycleLR(torch_sched.OneCycleLR):

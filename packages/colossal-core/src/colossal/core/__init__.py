@@ -34,6 +34,7 @@ from colossal.core.sharded_state import (
     LocalShard,
     Replicated,
     ShardedTensor,
+    TensorBacked,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Replicated",
     "ScalerConfig",
     "ShardedTensor",
+    "TensorBacked",
     "__version__",
     "disable_existing_loggers",
     "get_accelerator",

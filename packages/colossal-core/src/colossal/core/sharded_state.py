@@ -52,6 +52,7 @@ __all__ = [
     "Replicated",
     "ShardedTensor",
     "SliceReader",
+    "TensorBacked",
 ]
 
 SliceReader = Callable[[tuple[slice, ...] | None], torch.Tensor]
@@ -282,7 +283,27 @@ def _this_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class Replicated:
+class TensorBacked:
+    """Base for a :class:`ShardedTensor` that wraps one tensor, kept as ``self.tensor``.
+
+    ``shape`` and ``dtype`` are the wrapped tensor's (the whole tensor's, for a ``DTensor``);
+    a subclass sets ``self.tensor`` and supplies ``part``, ``local`` and ``gather``.
+    """
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """The wrapped tensor's (global) shape."""
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The wrapped tensor's dtype."""
+        return self.tensor.dtype
+
+
+class Replicated(TensorBacked):
     """The trivial :class:`ShardedTensor`: every rank holds the whole tensor.
 
     Args:
@@ -293,16 +314,6 @@ class Replicated:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"Replicated needs a torch.Tensor, got {type(tensor).__name__}")
         self.tensor = tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        """The tensor's shape."""
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The tensor's dtype."""
-        return self.tensor.dtype
 
     @property
     def part(self) -> Block:

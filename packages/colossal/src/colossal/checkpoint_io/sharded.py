@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colossal.core import Block, Replicated, ShardedTensor
+from colossal.core import Block, Replicated, ShardedTensor, TensorBacked
 from colossal.core.comm import recv, send
 
 logger = logging.getLogger(__name__)
@@ -53,14 +53,14 @@ def as_sharded(value: Any) -> ShardedTensor:
     )
 
 
-class DTensorShard:
+class DTensorShard(TensorBacked):
     """A ``DTensor`` on a 1-D mesh (FSDP2) as a :class:`colossal.core.ShardedTensor`.
 
     ``Shard(d)`` holds a :class:`colossal.core.Block` of indices along ``d`` (torch's even
     split: ``ceil(n / world)`` each, the last ranks fewer or none); ``Replicate()`` holds all.
 
     Args:
-        tensor: The DTensor.
+        tensor: The DTensor (``shape`` and ``dtype`` are its global ones).
 
     Raises:
         NotImplementedError: Other meshes or placements (several mesh dims, partial sums).
@@ -78,16 +78,6 @@ class DTensorShard:
             )
         self._part = _block_of(tensor, placements[0])
         self._sharded = isinstance(placements[0], Shard) and tensor.dim() > 0
-
-    @property
-    def shape(self) -> torch.Size:
-        """The global shape."""
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype."""
-        return self.tensor.dtype
 
     @property
     def part(self) -> Block:

@@ -56,15 +56,12 @@ class Plugin(abc.ABC):
         """Whether :meth:`enable_lora` (peft LoRA adapters) works with this plugin."""
         return False
 
-    def enable_lora(
-        self,
-        model: nn.Module,
-        pretrained_dir: str | None = None,
-        lora_config: Any = None,
-        bnb_quantization_config: Any = None,
-        quantize: bool = False,
-    ) -> nn.Module:
-        """Add peft LoRA adapters to ``model`` before boost (see ``Booster.enable_lora``).
+    def enable_lora(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        """Add peft LoRA adapters to ``model`` before boost.
+
+        Takes the arguments of ``Booster.enable_lora`` (``pretrained_dir``, ``lora_config``,
+        ``bnb_quantization_config``, ``quantize``) and hands them to
+        :func:`colossal.booster.plugin.lora.enable_lora` once :meth:`support_lora` allows it.
 
         Raises:
             NotImplementedError: The plugin does not support LoRA.
@@ -76,7 +73,7 @@ class Plugin(abc.ABC):
             )
         from colossal.booster.plugin.lora import enable_lora
 
-        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
+        return enable_lora(model, *args, **kwargs)
 
     def control_checkpoint_io(self) -> bool:
         """Whether the plugin provides its own checkpoint IO."""

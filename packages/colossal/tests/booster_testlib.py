@@ -34,6 +34,29 @@ def make_model(seed: int = 1234) -> Net:
     return Net()
 
 
+class Blocks(nn.Module):
+    """An embedding, an ``nn.ModuleList`` of ``depth`` residual blocks (FSDP units) and a head."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, 12)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(depth)
+        )
+        self.head = nn.Linear(12, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def make_blocks(seed: int = 1234, depth: int = 3) -> Blocks:
+    torch.manual_seed(seed)
+    return Blocks(depth)
+
+
 def make_optimizer(model: nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]

@@ -26,9 +26,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from booster_testlib import (
-    IN,
-    OUT,
     full_state,
+    make_blocks,
     make_booster,
     make_model,
     make_optimizer,
@@ -55,27 +54,6 @@ PRECISIONS = {
     "fsdp": ("fp32", "bf16"),  # what TorchFSDPPlugin accepts (fp16 is refused: test_api)
     "fsdp-noreshard": ("fp32", "bf16"),
 }
-
-
-class Blocks(nn.Module):
-    """An embedding, an ``nn.ModuleList`` of blocks (FSDP units) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(IN, 12)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(3))
-        self.head = nn.Linear(12, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
-
-
-def make_blocks(seed: int = 1234) -> Blocks:
-    torch.manual_seed(seed)
-    return Blocks()
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": make_model, "blocks": make_blocks}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import os
 
+import booster_testlib
 import pytest
 import torch
 import torch.distributed as dist
-from booster_testlib import IN, OUT, make_model, make_optimizer, train_steps
+from booster_testlib import IN, Blocks, make_model, make_optimizer, train_steps
 from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -37,25 +38,9 @@ STEPS = 3
 TOL = 1e-5
 
 
-class Blocks(nn.Module):
-    """An embedding, an ``nn.ModuleList`` of blocks and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(IN, 12)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(2))
-        self.head = nn.Linear(12, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
-
-
-def make_blocks(seed: int = 1234) -> Blocks:
-    torch.manual_seed(seed)
-    return Blocks()
+#: Blocks in the test model (the wrap-policy tests name ``blocks.0`` and ``blocks.1``).
+DEPTH = 2
+make_blocks = functools.partial(booster_testlib.make_blocks, depth=DEPTH)
 
 
 def _reference(steps: int) -> dict[str, torch.Tensor]:
@@ -238,7 +223,7 @@ def test_ignored_modules_and_auto_wrap_policy(rank: int, world_size: int) -> Non
 
 def _meta_blocks() -> Blocks:
     with torch.device("meta"):
-        return Blocks()
+        return Blocks(DEPTH)
 
 
 @distributed_test(2)

@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
+from colossal.core import destroy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAKESPEARE = os.path.join(HERE, "..", "..", "..", "shared", "data", "tinyshakespeare.txt")
 
@@ -72,7 +74,9 @@ def main() -> None:
             print(f"step {step:4d}  loss {loss.item():.3f}")
     if rank == 0:
         print(f"final loss {loss.item():.3f} on {world} ranks")
-    dist.destroy_process_group()
+    # destroy_process_group(), keeping the gloo groups' native objects to the process's end:
+    # freeing one while a gloo worker thread finishes a collective can hang or abort the exit.
+    destroy()
 
 
 if __name__ == "__main__":

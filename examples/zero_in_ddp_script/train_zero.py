@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from colossal.core import destroy
 from colossal.zero import LowLevelZeroOptimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,7 +74,9 @@ def main() -> None:
             print(f"step {step:4d}  loss {loss.item():.3f}")
     if rank == 0:
         print(f"final loss {loss.item():.3f} on {world} ranks")
-    dist.destroy_process_group()
+    # destroy_process_group(), keeping the gloo groups' native objects to the process's end:
+    # freeing one while a gloo worker thread finishes a collective can hang or abort the exit.
+    destroy()
 
 
 if __name__ == "__main__":

@@ -7,11 +7,15 @@ import torch
 
 from colossal.core import (
     Block,
+    Blocks,
     FlatRange,
     LocalShard,
     OptimizerWrapper,
     Replicated,
     ShardedTensor,
+    mark_sharded,
+    shard_spec,
+    sharded_view,
 )
 from colossal.core.testing import distributed_test
 
@@ -80,7 +84,7 @@ def test_bad_parts_are_refused() -> None:
         LocalShard(torch.zeros(2, 3), Block((4, 0), (2, 3)), SHAPE)
     with pytest.raises(ValueError, match="cannot hold"):
         LocalShard(torch.zeros(3), FlatRange(0, 4), SHAPE)
-    with pytest.raises(TypeError, match="Block or a FlatRange"):
+    with pytest.raises(TypeError, match="Block, Blocks or FlatRange"):
         LocalShard(torch.zeros(3), (0, 3), SHAPE)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="torch.Tensor"):
         Replicated([1.0])  # type: ignore[arg-type]
@@ -169,3 +173,56 @@ def test_optimizer_wrapper_carries_validated_param_names() -> None:
         OptimizerWrapper(_optimizer(), param_names=[names[0], ["0.bias", 3]])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="one sequence of names per param group"):
         OptimizerWrapper(_optimizer(), param_names="0.weight")
+
+
+# ---- several blocks (fused projections) and marked tensors -----------------------------------
+FUSED = (2, 12)  # three segments of 4 columns: rank r of 2 holds columns [2r, 2r+2) of each
+
+
+def _fused_part(rank: int) -> Blocks:
+    return Blocks(
+        1, tuple(Block.along(FUSED, 1, 4 * s + 2 * rank, 4 * s + 2 * rank + 2) for s in range(3))
+    )
+
+
+def test_blocks_take_put_and_read_round_trip() -> None:
+    # Catches: segments concatenated in the wrong order or along the wrong dim, or a reader
+    # asked for the whole tensor instead of each block.
+    full = torch.arange(24, dtype=torch.float32).reshape(FUSED)
+    part = _fused_part(1)
+    local = part.take(full)
+    assert local.tolist() == [[2, 3, 6, 7, 10, 11], [14, 15, 18, 19, 22, 23]]
+    assert part.sizes == (2, 6) and part.numel == 12 and not part.is_whole(FUSED)
+    seen: list[object] = []
+    assert torch.equal(part.read(_reader(full, seen), FUSED), local)
+    assert None not in seen and len(seen) == 3
+    back = torch.zeros(FUSED)
+    part.put(back, local)
+    assert torch.equal(back[:, 2:4], full[:, 2:4]) and float(back[:, 0:2].abs().sum()) == 0
+    with pytest.raises(ValueError, match="cannot hold"):
+        part.real(torch.zeros(2, 5))
+
+
+def test_mark_sharded_records_the_part_on_the_tensor() -> None:
+    # Catches: a marked parameter's gradient seen as replicated, or a part that cannot fit the
+    # whole tensor accepted.
+    weight = torch.nn.Parameter(torch.zeros(2, 6))
+    assert sharded_view(weight) is None
+    mark_sharded(weight, _fused_part(0), FUSED)
+    view = sharded_view(torch.ones(2, 6), like=weight)
+    assert isinstance(view, LocalShard) and view.shape == FUSED and view.part == _fused_part(0)
+    assert shard_spec(weight).shape == FUSED
+    with pytest.raises(ValueError, match="cannot hold"):
+        mark_sharded(torch.zeros(2, 5), _fused_part(0), FUSED)
+    with pytest.raises(ValueError, match="does not fit"):
+        mark_sharded(torch.zeros(2, 6), _fused_part(0), (2, 8))
+
+
+@distributed_test(2)
+def test_blocks_gather_to_a_named_rank(rank: int, world_size: int) -> None:
+    # Catches: a fused shard's segments put back at the offsets of one contiguous block.
+    full = torch.arange(24, dtype=torch.float32).reshape(FUSED)
+    part = _fused_part(rank)
+    shard = LocalShard(part.take(full), part, FUSED)
+    got = shard.gather(0)
+    assert (got is not None and torch.equal(got, full)) if rank == 0 else got is None

@@ -29,17 +29,23 @@ from colossal.core.parallel_dims import ParallelDims
 from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
 from colossal.core.sharded_state import (
     Block,
+    Blocks,
     FlatRange,
     LocalPart,
     LocalShard,
     Replicated,
     ShardedTensor,
+    ShardSpec,
     TensorBacked,
+    mark_sharded,
+    shard_spec,
+    sharded_view,
 )
 
 __all__ = [
     "BaseAccelerator",
     "Block",
+    "Blocks",
     "CommError",
     "CommTracker",
     "DistCoordinator",
@@ -55,6 +61,7 @@ __all__ = [
     "ProcessGroupMesh",
     "Replicated",
     "ScalerConfig",
+    "ShardSpec",
     "ShardedTensor",
     "TensorBacked",
     "__version__",
@@ -68,6 +75,9 @@ __all__ = [
     "launch_from_openmpi",
     "launch_from_slurm",
     "launch_from_torch",
+    "mark_sharded",
     "parse_precision",
     "set_seed",
+    "shard_spec",
+    "sharded_view",
 ]

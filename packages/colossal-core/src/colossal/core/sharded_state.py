@@ -5,7 +5,7 @@ parallelism produced the shard. An implementation says what the whole tensor is 
 and ``dtype``, unpadded), which part of it this rank holds (``part``), gives that part
 (``local()``) and gathers the whole tensor to one named rank (``gather(dst)``).
 
-Two kinds of part cover the layouts Colossal uses:
+Three kinds of part cover the layouts Colossal uses:
 
 * :class:`Block`: a box of the global tensor, ``offsets[d] : offsets[d] + sizes[d]`` along
   every dim. A tensor-parallel shard is a block split along one dim (a column-parallel
@@ -18,6 +18,14 @@ Two kinds of part cover the layouts Colossal uses:
   ZeRO keeps, per parameter, the elements of its flat bucket that fall into the rank's slice;
   a Gemini chunk holds a flat range of each parameter stored in it. ``local()`` is 1-D, of
   ``stop - start`` elements (or more, with padding at the end).
+
+* :class:`Blocks`: several blocks held concatenated along one dim (a fused q/k/v projection
+  split in tensor parallel keeps its slice of each of the three segments).
+
+A module can mark a parameter it holds only a part of (:func:`mark_sharded`; tensor-parallel
+layers do); :func:`sharded_view` then gives that parameter, or any tensor laid out like it
+such as its gradient, as a :class:`LocalShard`, so checkpoint IO and the gradient norm treat
+it as the part it is without knowing which package sharded it.
 
 A loader reads only the stored elements of its part (``part.read(...)`` with a reader such as
 ``safe_open(...).get_slice``); a saver calls ``gather(dst)`` on every rank of the tensor's
@@ -46,13 +54,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Block",
+    "Blocks",
     "FlatRange",
     "LocalPart",
     "LocalShard",
     "Replicated",
+    "ShardSpec",
     "ShardedTensor",
     "SliceReader",
     "TensorBacked",
+    "mark_sharded",
+    "shard_spec",
+    "sharded_view",
 ]
 
 SliceReader = Callable[[tuple[slice, ...] | None], torch.Tensor]
@@ -243,7 +256,86 @@ class FlatRange:
         return rows[skip : skip + self.numel]
 
 
-LocalPart = Block | FlatRange
+@dataclass(frozen=True)
+class Blocks:
+    """Several boxes of the global tensor, held one after another along ``dim``.
+
+    A fused projection split in tensor parallel (GPT-2's ``c_attn`` holds q, k and v side by
+    side; each rank keeps its slice of each) holds one :class:`Block` of each segment; its
+    local tensor is their concatenation along ``dim``. Every block spans the whole tensor
+    along the other dims. No padding: ``local()`` is exactly the blocks.
+
+    Attributes:
+        dim: The dim the blocks are concatenated along.
+        blocks: The boxes, in the order they are held.
+
+    Raises:
+        ValueError: ``blocks`` is empty or the blocks differ in rank.
+    """
+
+    dim: int
+    blocks: tuple[Block, ...]
+
+    def __post_init__(self) -> None:
+        blocks = tuple(self.blocks)
+        if not blocks or not all(isinstance(b, Block) for b in blocks):
+            raise ValueError(f"Blocks needs one or more Block, got {blocks!r}")
+        ndim = len(blocks[0].sizes)
+        if any(len(b.sizes) != ndim for b in blocks) or not 0 <= self.dim < ndim:
+            raise ValueError(f"Blocks(dim={self.dim}) needs blocks of one rank > dim: {blocks}")
+        object.__setattr__(self, "blocks", blocks)
+
+    @property
+    def numel(self) -> int:
+        """Elements in all the blocks."""
+        return sum(b.numel for b in self.blocks)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Shape of the local tensor (the blocks concatenated along ``dim``)."""
+        first = self.blocks[0].sizes
+        total = sum(b.sizes[self.dim] for b in self.blocks)
+        return tuple(total if d == self.dim else s for d, s in enumerate(first))
+
+    def check(self, shape: Sequence[int]) -> None:
+        """Raise ValueError unless every block lies inside a tensor of ``shape``."""
+        for block in self.blocks:
+            block.check(shape)
+
+    def is_whole(self, shape: Sequence[int]) -> bool:
+        """Whether the blocks are the whole tensor, in order (one block of everything)."""
+        return len(self.blocks) == 1 and self.blocks[0].is_whole(shape)
+
+    def real(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` itself (it carries no padding).
+
+        Raises:
+            ValueError: ``local`` is not shaped like the concatenated blocks.
+        """
+        if tuple(local.shape) != self.sizes:
+            raise ValueError(
+                f"local tensor of shape {tuple(local.shape)} cannot hold {self}; pass the "
+                "tensor this rank holds"
+            )
+        return local
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This part of the global tensor ``full`` (a new tensor)."""
+        return torch.cat([b.take(full) for b in self.blocks], dim=self.dim)
+
+    def put(self, full: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy ``values`` (the concatenated blocks) into the global tensor ``full``."""
+        values = values.reshape(self.sizes)
+        pieces = values.split([b.sizes[self.dim] for b in self.blocks], dim=self.dim)
+        for block, piece in zip(self.blocks, pieces, strict=True):
+            block.put(full, piece)
+
+    def read(self, read: SliceReader, shape: Sequence[int]) -> torch.Tensor:
+        """Read only the blocks from a stored tensor of ``shape``, concatenated along ``dim``."""
+        return torch.cat([b.read(read, shape) for b in self.blocks], dim=self.dim)
+
+
+LocalPart = Block | FlatRange | Blocks
 """Which part of the global tensor a rank holds."""
 
 
@@ -361,8 +453,10 @@ class LocalShard:
             raise TypeError(
                 f"LocalShard values must be a torch.Tensor, got {type(values).__name__}"
             )
-        if not isinstance(part, Block | FlatRange):
-            raise TypeError(f"part must be a Block or a FlatRange, got {type(part).__name__}")
+        if not isinstance(part, Block | FlatRange | Blocks):
+            raise TypeError(
+                f"part must be a Block, Blocks or FlatRange, got {type(part).__name__}"
+            )
         self._shape = torch.Size(_shape(shape))
         part.check(self._shape)
         part.real(values)  # raises when values cannot hold the part
@@ -440,3 +534,71 @@ class LocalShard:
 
     def __repr__(self) -> str:
         return f"LocalShard(shape={tuple(self._shape)}, part={self._part}, dtype={self.dtype})"
+
+
+_SPEC_ATTR = "_colossal_shard_spec"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a marked tensor relates to the whole one (see :func:`mark_sharded`).
+
+    Attributes:
+        part: Which elements of the whole tensor the marked tensor holds.
+        shape: Shape of the whole, unpadded tensor.
+        group: The ranks whose parts make up the whole (None: the whole job).
+    """
+
+    part: LocalPart
+    shape: torch.Size
+    group: dist.ProcessGroup | None = None
+
+
+def mark_sharded(
+    tensor: torch.Tensor,
+    part: LocalPart,
+    shape: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Record on ``tensor`` (usually a parameter) that it holds ``part`` of a whole tensor.
+
+    The record lives on the tensor object: a new tensor made from it (``.detach()``,
+    ``state_dict()`` without ``keep_vars``) does not carry it.
+
+    Args:
+        tensor: The tensor this rank holds (may be larger than ``part`` with padding).
+        part: Which elements of the whole tensor it holds.
+        shape: Shape of the whole, unpadded tensor.
+        group: The ranks whose parts make up the whole tensor (the whole job when None).
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        ValueError: ``part`` does not fit ``shape`` or ``tensor`` cannot hold it.
+    """
+    if not isinstance(part, Block | FlatRange | Blocks):
+        raise TypeError(f"part must be a Block, Blocks or FlatRange, got {type(part).__name__}")
+    whole = torch.Size(_shape(shape))
+    part.check(whole)
+    part.real(tensor)  # raises when the tensor cannot hold the part
+    setattr(tensor, _SPEC_ATTR, ShardSpec(part, whole, group))
+    return tensor
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """The :class:`ShardSpec` :func:`mark_sharded` recorded on ``tensor``, else None."""
+    return getattr(tensor, _SPEC_ATTR, None)
+
+
+def sharded_view(tensor: torch.Tensor, like: torch.Tensor | None = None) -> LocalShard | None:
+    """``tensor`` as a :class:`LocalShard` when it (or ``like``) was marked, else None.
+
+    Args:
+        tensor: The values (a marked parameter, or its gradient or optimizer state).
+        like: The marked tensor ``tensor`` is laid out like (``tensor`` itself when None).
+    """
+    spec = shard_spec(tensor if like is None else like)
+    if spec is None:
+        return None
+    return LocalShard(tensor, spec.part, spec.shape, spec.group)

@@ -1,0 +1,1 @@
+"""Parallel layers: differentiable primitives, functional ops, modules."""

@@ -1,0 +1,1 @@
+"""Policies: how each model family is sharded, as data."""

@@ -1,0 +1,1 @@
+"""ShardConfig, ShardFormer and the sharder that applies a policy."""

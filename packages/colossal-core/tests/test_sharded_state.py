@@ -14,6 +14,8 @@ from colossal.core import (
     Replicated,
     ShardedTensor,
     mark_sharded,
+    shard_parameter,
+    shard_source,
     shard_spec,
     sharded_view,
 )
@@ -226,3 +228,17 @@ def test_blocks_gather_to_a_named_rank(rank: int, world_size: int) -> None:
     shard = LocalShard(part.take(full), part, FUSED)
     got = shard.gather(0)
     assert (got is not None and torch.equal(got, full)) if rank == 0 else got is None
+
+
+def test_shard_parameter_keeps_its_part_and_pads_after_it() -> None:
+    # Catches: the wrong rows kept, padding placed before the real rows, or a meta source
+    # materialized (or forgotten) instead of remembered for a later materializer.
+    whole = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    param = shard_parameter(whole, Block.along(whole.shape, 0, 4, 6), local_shape=(4, 2))
+    assert param.tolist() == [[8, 9], [10, 11], [0, 0], [0, 0]] and param.requires_grad
+    assert shard_spec(param).shape == (6, 2) and shard_source(param) is None
+    meta = torch.empty(6, 2, device="meta")
+    lazy = shard_parameter(meta, Block.along(meta.shape, 0, 0, 3))
+    assert lazy.is_meta and lazy.shape == (3, 2) and shard_source(lazy) is meta
+    with pytest.raises(ValueError, match="cannot hold"):
+        shard_parameter(whole, Block.along(whole.shape, 0, 0, 3), local_shape=(2, 2))

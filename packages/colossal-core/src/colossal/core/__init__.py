@@ -38,6 +38,8 @@ from colossal.core.sharded_state import (
     ShardSpec,
     TensorBacked,
     mark_sharded,
+    shard_parameter,
+    shard_source,
     shard_spec,
     sharded_view,
 )
@@ -78,6 +80,8 @@ __all__ = [
     "mark_sharded",
     "parse_precision",
     "set_seed",
+    "shard_parameter",
+    "shard_source",
     "shard_spec",
     "sharded_view",
 ]

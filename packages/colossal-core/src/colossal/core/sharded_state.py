@@ -47,6 +47,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from colossal.core.comm import all_gather_object, broadcast, group_ranks, recv, send
 
@@ -64,6 +65,8 @@ __all__ = [
     "SliceReader",
     "TensorBacked",
     "mark_sharded",
+    "shard_parameter",
+    "shard_source",
     "shard_spec",
     "sharded_view",
 ]
@@ -602,3 +605,54 @@ def sharded_view(tensor: torch.Tensor, like: torch.Tensor | None = None) -> Loca
     if spec is None:
         return None
     return LocalShard(tensor, spec.part, spec.shape, spec.group)
+
+
+_SOURCE_ATTR = "_colossal_shard_source"
+
+
+def shard_parameter(
+    source: torch.Tensor,
+    part: Block | Blocks,
+    group: dist.ProcessGroup | None = None,
+    local_shape: Sequence[int] | None = None,
+    requires_grad: bool | None = None,
+) -> nn.Parameter:
+    """A parameter holding ``part`` of ``source`` (the whole tensor), marked sharded.
+
+    The local tensor has ``local_shape`` (default: the part's own shape); a larger shape adds
+    zero padding after the real elements (:meth:`Block.real`). When ``source`` is on the
+    ``meta`` device (built under a lazy-init context) the parameter is a ``meta`` tensor too,
+    and remembers ``source`` and ``part`` (:func:`shard_source`) so a materializer can build the
+    whole tensor once, keep only this part and drop the rest.
+
+    Args:
+        source: The whole, unpadded tensor (a module's native weight).
+        part: Which of its elements this rank keeps.
+        group: The ranks whose parts make up the whole tensor (the whole job when None).
+        local_shape: Shape of the local tensor, at least the part's (padding after it).
+        requires_grad: Whether the parameter requires grad (default: ``source``'s flag).
+
+    Raises:
+        ValueError: ``part`` does not fit ``source`` or ``local_shape`` cannot hold it.
+    """
+    if not isinstance(part, Block | Blocks):
+        raise TypeError(f"shard_parameter needs a Block or Blocks part, got {type(part).__name__}")
+    part.check(source.shape)
+    shape = tuple(part.sizes) if local_shape is None else _shape(local_shape)
+    grad = source.requires_grad if requires_grad is None else requires_grad
+    with torch.no_grad():
+        if source.is_meta:
+            local = torch.empty(shape, dtype=source.dtype, device="meta")
+        else:
+            local = torch.zeros(shape, dtype=source.dtype, device=source.device)
+            part.real(local).copy_(part.take(source))
+    param = nn.Parameter(local, requires_grad=grad)
+    mark_sharded(param, part, source.shape, group)
+    if source.is_meta:
+        setattr(param, _SOURCE_ATTR, source)
+    return param
+
+
+def shard_source(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole ``meta`` tensor a :func:`shard_parameter` result was cut from, else None."""
+    return getattr(tensor, _SOURCE_ATTR, None)

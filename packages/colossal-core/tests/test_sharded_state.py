@@ -233,7 +233,7 @@ def test_blocks_gather_to_a_named_rank(rank: int, world_size: int) -> None:
 def test_shard_parameter_keeps_its_part_and_pads_after_it() -> None:
     # Catches: the wrong rows kept, padding placed before the real rows, or a meta source
     # materialized (or forgotten) instead of remembered for a later materializer.
-    whole = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    whole = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(6, 2))
     param = shard_parameter(whole, Block.along(whole.shape, 0, 4, 6), local_shape=(4, 2))
     assert param.tolist() == [[8, 9], [10, 11], [0, 0], [0, 0]] and param.requires_grad
     assert shard_spec(param).shape == (6, 2) and shard_source(param) is None

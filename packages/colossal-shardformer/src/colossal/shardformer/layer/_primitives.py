@@ -1,0 +1,152 @@
+"""Differentiable communication primitives of the tensor-parallel region (Megatron's f and g).
+
+Each is an autograd Function whose forward and backward communicate only through
+:mod:`colossal.core.comm`, so :class:`~colossal.core.CommTracker` counts every byte:
+
+============================  ==========================  ==============================
+primitive                     forward                     backward
+============================  ==========================  ==============================
+``copy_to_tp_region``         identity                    all-reduce of the gradient
+``reduce_from_tp_region``     all-reduce                  identity
+``gather_from_tp_region``     all-gather along last dim   keep this rank's slice
+``split_to_tp_region``        keep this rank's slice      all-gather along last dim
+============================  ==========================  ==============================
+
+With a group of one rank every primitive is the identity and communicates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from colossal.core.comm import all_gather, all_reduce
+from colossal.shardformer.layer._utils import group_rank, group_size
+
+__all__ = [
+    "copy_to_tp_region",
+    "gather_from_tp_region",
+    "is_in_tp_region",
+    "mark_tp_region",
+    "reduce_from_tp_region",
+    "split_to_tp_region",
+]
+
+_REGION_ATTR = "_colossal_tp_region_group"
+_WORLD = object()  # tag value standing for the default group
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    out = x.contiguous().clone()
+    all_reduce(out, group=group)
+    return out
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    tp = group_size(group)
+    x = x.contiguous()
+    buf = x.new_empty((tp, *x.shape))
+    all_gather(buf, x, group=group)
+    # (tp, ..., n) -> (..., tp, n) -> (..., tp * n)
+    return buf.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    tp, rank = group_size(group), group_rank(group)
+    n = x.shape[-1]
+    if n % tp != 0:
+        raise ValueError(
+            f"split_to_tp_region: last dim {n} is not divisible by the tensor-parallel size "
+            f"{tp}; pad the input or choose a TP size dividing it"
+        )
+    step = n // tp
+    return x[..., rank * step : (rank + 1) * step].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+class _SplitToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over ``group`` backward (Megatron's f)."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-reduce over ``group`` forward; identity backward (Megatron's g)."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dim (rank order); backward keeps the slice."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromRegion.apply(x, group)
+
+
+def split_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's equal slice of the last dim; backward all-gathers the gradient.
+
+    Raises:
+        ValueError: The last dim is not divisible by the group size.
+    """
+    if group_size(group) == 1:
+        return x
+    return _SplitToRegion.apply(x, group)
+
+
+def mark_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Tag ``x`` as having entered the TP region of ``group`` (its gradient is all-reduced)."""
+    setattr(x, _REGION_ATTR, _WORLD if group is None else group)
+    return x
+
+
+def is_in_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether ``x`` is the exact tensor :func:`mark_tp_region` tagged for ``group``."""
+    tag = getattr(x, _REGION_ATTR, None)
+    return tag is not None and tag is (_WORLD if group is None else group)

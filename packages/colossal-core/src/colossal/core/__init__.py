@@ -8,6 +8,7 @@ from colossal.core.__about__ import __version__
 from colossal.core.accelerator import BaseAccelerator, get_accelerator
 from colossal.core.comm import CommError, CommTracker
 from colossal.core.coordinator import DistCoordinator
+from colossal.core.grad_norm import clip_grad_norm_, grad_norm
 from colossal.core.group_lifetime import keep_alive
 from colossal.core.interface import ModelWrapper, OptimizerWrapper
 from colossal.core.launch import (
@@ -67,10 +68,12 @@ __all__ = [
     "ShardedTensor",
     "TensorBacked",
     "__version__",
+    "clip_grad_norm_",
     "disable_existing_loggers",
     "get_accelerator",
     "get_dist_logger",
     "get_logger",
+    "grad_norm",
     "keep_alive",
     "destroy",
     "launch",

@@ -11,22 +11,41 @@ from colossal.shardformer.layer._primitives import (
     reduce_from_tp_region,
     split_to_tp_region,
 )
+from colossal.shardformer.layer.dropout import DropoutForParallelInput, DropoutForReplicatedInput
+from colossal.shardformer.layer.embedding import (
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+    padded_vocab_size,
+)
 from colossal.shardformer.layer.linear import (
     GPT2FusedLinearConv1D_Col,
     GPT2FusedLinearConv1D_Row,
     Linear1D_Col,
     Linear1D_Row,
 )
+from colossal.shardformer.layer.loss import (
+    VocabParallelCrossEntropyLoss,
+    causal_lm_loss_fn,
+    cross_entropy_1d,
+)
 from colossal.shardformer.layer.region import enter_tp_region
 
 __all__ = [
+    "DropoutForParallelInput",
+    "DropoutForReplicatedInput",
     "GPT2FusedLinearConv1D_Col",
     "GPT2FusedLinearConv1D_Row",
     "Linear1D_Col",
     "Linear1D_Row",
+    "VocabParallelCrossEntropyLoss",
+    "VocabParallelEmbedding1D",
+    "VocabParallelLMHead1D",
+    "causal_lm_loss_fn",
     "copy_to_tp_region",
+    "cross_entropy_1d",
     "enter_tp_region",
     "gather_from_tp_region",
+    "padded_vocab_size",
     "reduce_from_tp_region",
     "split_to_tp_region",
 ]

@@ -1,0 +1,101 @@
+"""GPT-2 tensor-parallel policy (transformers 5.x module tree).
+
+Per block: ``attn.c_attn`` (a fused q/k/v ``Conv1D``) is column-parallel in three blocks,
+``attn.c_proj`` row-parallel; ``mlp.c_fc`` column-, ``mlp.c_proj`` row-parallel. The attention
+forward reads ``split_size`` (to split the fused output) and ``num_heads``; both are divided by
+the tensor-parallel size (``head_dim`` is unchanged). ``wte`` is vocab-parallel and the LM head,
+tied to it, a vocab-parallel LM head; classification heads stay replicated.
+"""
+
+from __future__ import annotations
+
+from colossal.shardformer.policies._common import TPPolicy, dropout_descriptions
+from colossal.shardformer.policies.base_policy import (
+    ModulePolicyDescription,
+    PolicyMap,
+    SubModuleReplacementDescription,
+)
+
+__all__ = ["POLICIES", "GPT2LMHeadModelPolicy", "GPT2Policy"]
+
+
+class GPT2Policy(TPPolicy):
+    """GPT-2 base model and replicated heads (sequence/token classification, QA)."""
+
+    def config_sanity_check(self) -> None:
+        """Heads must divide; cross-attention (``add_cross_attention``) is not sharded."""
+        assert self.model is not None
+        config = self.model.config
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError(
+                f"{type(self.model).__name__}: tensor parallelism of GPT-2 cross-attention "
+                "(config.add_cross_attention=True) is not supported; pass a custom policy"
+            )
+        self.divide(config.n_head, "num_attention_heads")
+
+    def embedding_suffix(self) -> str | None:
+        """The word embedding."""
+        return "wte"
+
+    def layer_policy(self) -> PolicyMap:
+        """Attention and MLP of every block, plus the embedding dropout."""
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention, GPT2Model
+
+        from colossal.shardformer.layer import (
+            GPT2FusedLinearConv1D_Col,
+            GPT2FusedLinearConv1D_Row,
+        )
+
+        assert self.model is not None
+        config = self.model.config
+        policy: PolicyMap = {
+            GPT2Attention: ModulePolicyDescription(
+                attribute_replacement={
+                    "num_heads": self.divide(config.n_head, "num_attention_heads"),
+                    "split_size": self.divide(config.hidden_size, "hidden_size"),
+                },
+                sub_module_replacement=[
+                    SubModuleReplacementDescription(
+                        suffix="c_attn",
+                        target_module=GPT2FusedLinearConv1D_Col,
+                        kwargs={"n_fused": 3},
+                    ),
+                    SubModuleReplacementDescription(
+                        suffix="c_proj", target_module=GPT2FusedLinearConv1D_Row
+                    ),
+                    *dropout_descriptions(["resid_dropout"]),
+                ],
+                tp_region_inputs=[""],
+            ),
+            GPT2MLP: ModulePolicyDescription(
+                sub_module_replacement=[
+                    SubModuleReplacementDescription(
+                        suffix="c_fc", target_module=GPT2FusedLinearConv1D_Col
+                    ),
+                    SubModuleReplacementDescription(
+                        suffix="c_proj", target_module=GPT2FusedLinearConv1D_Row
+                    ),
+                    *dropout_descriptions(["dropout"]),
+                ],
+            ),
+            GPT2Model: ModulePolicyDescription(
+                sub_module_replacement=dropout_descriptions(["drop"])
+            ),
+        }
+        return policy
+
+
+class GPT2LMHeadModelPolicy(GPT2Policy):
+    """``GPT2LMHeadModel``: vocab-parallel tied LM head and the vocab-parallel causal loss."""
+
+    lm_head = "lm_head"
+    loss = "causal"
+
+
+POLICIES: dict[str, type[TPPolicy]] = {
+    "GPT2Model": GPT2Policy,
+    "GPT2LMHeadModel": GPT2LMHeadModelPolicy,
+    "GPT2ForSequenceClassification": GPT2Policy,
+    "GPT2ForTokenClassification": GPT2Policy,
+    "GPT2ForQuestionAnswering": GPT2Policy,
+}

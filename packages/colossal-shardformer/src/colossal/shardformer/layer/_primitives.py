@@ -78,12 +78,18 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup | None, inplace: bool
+    ) -> torch.Tensor:
+        if not inplace:
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        all_reduce(x, group=group)
+        return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -115,11 +121,20 @@ def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
     return _CopyToRegion.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """All-reduce over ``group`` forward; identity backward (Megatron's g)."""
+def reduce_from_tp_region(
+    x: torch.Tensor, group: ProcessGroup | None, inplace: bool = False
+) -> torch.Tensor:
+    """All-reduce over ``group`` forward; identity backward (Megatron's g).
+
+    Args:
+        x: This rank's partial sum.
+        group: The tensor-parallel group (the whole job when None).
+        inplace: Reduce into ``x`` itself (saves a copy; only for a fresh, contiguous tensor
+            no other autograd node saved, such as a matmul's output).
+    """
     if group_size(group) == 1:
         return x
-    return _ReduceFromRegion.apply(x, group)
+    return _ReduceFromRegion.apply(x, group, inplace and x.is_contiguous())
 
 
 def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

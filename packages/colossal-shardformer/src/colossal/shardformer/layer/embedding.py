@@ -171,7 +171,7 @@ class VocabParallelEmbedding1D(nn.Module):
         out = F.embedding(local_ids, self.weight, local_pad)
         if self.tp_size > 1:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.process_group)
+        return reduce_from_tp_region(out, self.process_group, inplace=True)
 
     def extra_repr(self) -> str:
         """Sizes and TP size, for ``repr``."""

@@ -286,7 +286,7 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         """Local partial product, one all-reduce over the group, then the bias."""
         if not self.parallel_input:
             x = split_to_tp_region(x, self.process_group)
-        y = reduce_from_tp_region(self._matmul(x, None), self.process_group)
+        y = reduce_from_tp_region(self._matmul(x, None), self.process_group, inplace=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

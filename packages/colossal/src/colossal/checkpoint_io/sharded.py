@@ -2,7 +2,10 @@
 
 :func:`as_sharded` turns whatever a plugin hands over into the protocol: sharded states that
 implement it already (ZeRO's ``StateRef``) pass through, FSDP2's ``DTensor`` gets the
-:class:`DTensorShard` adapter, and a plain tensor is :class:`colossal.core.Replicated`.
+:class:`DTensorShard` adapter, a tensor marked with :func:`colossal.core.mark_sharded` (a
+tensor-parallel parameter, or a copy of one made by :func:`marked_state_dict`) is the
+:class:`colossal.core.LocalShard` it is marked as, and a plain tensor is
+:class:`colossal.core.Replicated`.
 """
 
 from __future__ import annotations
@@ -12,13 +15,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from colossal.core import Block, Replicated, ShardedTensor, TensorBacked
+from colossal.core import (
+    Block,
+    Replicated,
+    ShardedTensor,
+    TensorBacked,
+    mark_sharded,
+    shard_spec,
+    sharded_view,
+)
 from colossal.core.comm import recv, send
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTensorShard", "as_sharded", "is_sharded"]
+__all__ = ["DTensorShard", "as_sharded", "is_sharded", "marked_like", "marked_state_dict"]
 
 
 def _dtensor_type() -> type | None:
@@ -31,8 +43,12 @@ def _dtensor_type() -> type | None:
 
 def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a tensor of which a rank may hold only a part (not a plain one)."""
+    if isinstance(value, ShardedTensor):
+        return True
+    if isinstance(value, torch.Tensor) and shard_spec(value) is not None:
+        return True
     dtensor = _dtensor_type()
-    return isinstance(value, ShardedTensor) or (dtensor is not None and isinstance(value, dtensor))
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def as_sharded(value: Any) -> ShardedTensor:
@@ -47,10 +63,38 @@ def as_sharded(value: Any) -> ShardedTensor:
     if dtensor is not None and isinstance(value, dtensor):
         return DTensorShard(value)
     if isinstance(value, torch.Tensor):
-        return Replicated(value)
+        view = sharded_view(value)
+        return Replicated(value) if view is None else view
     raise TypeError(
         f"expected a tensor or a colossal.core.ShardedTensor, got {type(value).__name__}"
     )
+
+
+def marked_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` carrying ``like``'s :func:`colossal.core.mark_sharded` record, if any.
+
+    ``tensor`` must be laid out like ``like`` (its detached copy, its gradient or an optimizer
+    state of it); it is returned itself, marked when ``like`` is.
+    """
+    spec = shard_spec(like)
+    if spec is not None and shard_spec(tensor) is None:
+        mark_sharded(tensor, spec.part, spec.shape, spec.group)
+    return tensor
+
+
+def marked_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` whose entries keep their parameters' sharding marks.
+
+    A plain ``state_dict()`` detaches every tensor, which drops the record
+    :func:`colossal.core.mark_sharded` keeps on a parameter; here each entry is detached too
+    (the same tensors ``state_dict()`` gives) and then marked as its parameter was, so
+    checkpoint IO sees a tensor-parallel parameter as the part of the whole tensor it holds.
+    """
+    state = module.state_dict(keep_vars=True)
+    return {
+        name: marked_like(value.detach(), value) if isinstance(value, torch.Tensor) else value
+        for name, value in state.items()
+    }
 
 
 class DTensorShard(TensorBacked):

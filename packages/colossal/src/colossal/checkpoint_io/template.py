@@ -27,8 +27,20 @@ from colossal.checkpoint_io.optimizer_fit import check_optimizer_fits, param_sha
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
-from colossal.checkpoint_io.sharded import DTensorShard, as_sharded, is_sharded
-from colossal.core import ModelWrapper, OptimizerWrapper, ShardedTensor
+from colossal.checkpoint_io.sharded import (
+    DTensorShard,
+    as_sharded,
+    is_sharded,
+    marked_state_dict,
+)
+from colossal.core import (
+    LocalShard,
+    ModelWrapper,
+    OptimizerWrapper,
+    ShardedTensor,
+    shard_spec,
+    sharded_view,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +87,12 @@ class CheckpointIO:
     """Optimizer states a plain optimizer drops on load that this IO keeps (ZeRO's masters)."""
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
-        """Tensors (or sharded tensors) by name, the same names on every rank."""
-        return unwrap_model(model).state_dict()
+        """Tensors (or sharded tensors) by name, the same names on every rank.
+
+        A parameter marked with :func:`colossal.core.mark_sharded` (tensor parallel) stays
+        marked, so it is saved as the whole tensor its rank holds a part of.
+        """
+        return marked_state_dict(unwrap_model(model))
 
     def to_full(self, tensor: Any, dst: int | None = None) -> torch.Tensor | None:
         """The full tensor of a possibly sharded one (collective for sharded tensors).
@@ -101,13 +117,35 @@ class CheckpointIO:
         with torch.no_grad():
             for name, target in targets.items():
                 shard = as_sharded(target)
+                if shard.part.numel == 0:
+                    continue  # only padding here (e.g. the tail of a padded vocabulary)
                 data = reader.read_part(name, shard.part)
                 held = shard.part.real(shard.local())
                 held.copy_(data.reshape(held.shape))
 
     def optimizer_state(self, optimizer: OptimizerWrapper) -> dict[str, Any]:
-        """A torch-style state dict keyed by parameter index (tensors full or sharded)."""
-        return optimizer.state_dict()
+        """A torch-style state dict keyed by parameter index (tensors full or sharded).
+
+        The states of a parameter marked with :func:`colossal.core.mark_sharded` that are laid
+        out like it (Adam's moments) are marked alike, so they are saved whole and unpadded.
+        """
+        state = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        marked = {i for i, p in enumerate(params) if shard_spec(p) is not None}
+        if not marked:
+            return state
+        per_param = {}
+        for index, entries in state.get("state", {}).items():
+            param = params[int(index)] if int(index) in marked else None
+            per_param[index] = {  # new dicts: torch's hold the optimizer's own
+                key: sharded_view(value.detach(), like=param)
+                if param is not None
+                and isinstance(value, torch.Tensor)
+                and value.shape == param.shape
+                else value
+                for key, value in entries.items()
+            }
+        return {**state, "state": per_param}
 
     def optimizer_layout(self, optimizer: OptimizerWrapper) -> dict[int, ShardedTensor]:
         """Per parameter index, how this rank holds that parameter's optimizer states.
@@ -132,6 +170,13 @@ class CheckpointIO:
         """
         if isinstance(layout, DTensorShard):
             return layout.wrap(local)
+        if isinstance(layout, LocalShard):  # a marked parameter: its state laid out like it
+            held = layout.local()
+            if held.shape != local.shape:  # padded: the checkpoint holds only the real part
+                out = torch.zeros(held.shape, dtype=local.dtype, device=held.device)
+                real = layout.part.real(out)
+                real.copy_(local.reshape(real.shape))
+                return out
         return local
 
     def load_optimizer_state(
@@ -252,7 +297,7 @@ class CheckpointIO:
         """
         self.wait_snapshots()
         module = unwrap_model(model)
-        targets, aliases = _load_targets(module.state_dict())
+        targets, aliases = _load_targets(marked_state_dict(module))
         reader = self._model_reader(checkpoint, [a for n in targets for a in aliases[n]])
         directory = reader.directory
         saved = set(reader.weight_map)
@@ -392,7 +437,7 @@ def _scheduler_file(checkpoint: str) -> str:
 
 
 def _global_shape(t: torch.Tensor) -> torch.Size:
-    return t.shape
+    return as_sharded(t).shape
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:

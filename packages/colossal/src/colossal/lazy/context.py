@@ -7,6 +7,8 @@ advance the CPU generator exactly as eager code would (they run once on a scratc
 one parameter's size, freed at once), so code after the context sees the same random stream.
 Materializing replays each tensor's recipe on its own, so a plugin can build one full tensor
 at a time and keep only its shard (FSDP) — the weights equal eager init under the same seed.
+A parameter cut from a lazy one by :func:`colossal.core.shard_parameter` (tensor parallel,
+applied before materializing) is materialized as only its part the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+from colossal.core import mark_sharded, shard_source, shard_spec
 
 logger = logging.getLogger(__name__)
 
@@ -246,14 +250,27 @@ class LazyInitContext:
     def materialize(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
         """Replace every lazy parameter and buffer of ``module`` by its real tensor, in place.
 
-        Tied tensors stay tied. Returns ``module``.
+        A parameter :func:`colossal.core.shard_parameter` cut from a lazy tensor (a
+        tensor-parallel layer built from a lazy module) becomes only its part: the whole
+        tensor is built from its recipe, the part copied out (zero padding after it, as
+        ``shard_parameter`` does) and the whole freed before the next one, so at most one
+        whole tensor exists at a time. The result keeps its sharding mark. Tied tensors stay
+        tied. Returns ``module``.
         """
         done: dict[int, torch.Tensor] = {}
         for sub in module.modules():
             for kind in ("_parameters", "_buffers"):
                 table = getattr(sub, kind)
                 for name, tensor in list(table.items()):
-                    if tensor is None or not is_lazy(tensor):
+                    if tensor is None:
+                        continue
+                    source = shard_source(tensor) if tensor.is_meta else None
+                    if source is not None and is_lazy(source):
+                        if id(tensor) not in done:
+                            done[id(tensor)] = _materialize_part(tensor, source, device)
+                        table[name] = done[id(tensor)]
+                        continue
+                    if not is_lazy(tensor):
                         continue
                     if id(tensor) not in done:
                         real = materialize_tensor(tensor).to(device)
@@ -262,3 +279,25 @@ class LazyInitContext:
                         done[id(tensor)] = real
                     table[name] = done[id(tensor)]
         return module
+
+
+def _materialize_part(
+    param: torch.Tensor, source: torch.Tensor, device: str | torch.device
+) -> torch.Tensor:
+    """The real local tensor of ``param``, a shard of the lazy ``source`` (one whole at a time)."""
+    spec = shard_spec(param)
+    if spec is None:
+        raise ValueError(
+            f"parameter of shape {tuple(param.shape)} remembers a shard source but carries no "
+            "sharding mark; build it with colossal.core.shard_parameter"
+        )
+    part = spec.part
+    full = materialize_tensor(source)
+    local = torch.zeros(param.shape, dtype=param.dtype, device=device)
+    with torch.no_grad():
+        real = part.real(local)
+        real.copy_(part.take(full).reshape(real.shape))
+    del full
+    if isinstance(param, nn.Parameter):
+        local = nn.Parameter(local, requires_grad=param.requires_grad)
+    return mark_sharded(local, part, spec.shape, spec.group)

@@ -1,0 +1,115 @@
+"""``ShardFormer``: shards a model in place with a policy (ColossalAI's entry point)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal.shardformer.policies.base_policy import Policy
+from colossal.shardformer.shard.config import ShardConfig
+from colossal.shardformer.shard.model_hooks import set_attention_implementation
+from colossal.shardformer.shard.sharder import ShardSummary, apply_module_policy
+
+__all__ = ["ShardFormer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _local_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class ShardFormer:
+    """Applies tensor parallelism and the optional fused kernels to a model.
+
+    Example::
+
+        shard_config = ShardConfig(tensor_parallel_process_group=tp_group)
+        model, shared_params = ShardFormer(shard_config).optimize(model)
+
+    Args:
+        shard_config: The sharding options.
+
+    Raises:
+        TypeError: ``shard_config`` is not a :class:`ShardConfig`.
+    """
+
+    def __init__(self, shard_config: ShardConfig) -> None:
+        if not isinstance(shard_config, ShardConfig):
+            raise TypeError(f"ShardFormer needs a ShardConfig, got {type(shard_config).__name__}")
+        self.shard_config = shard_config
+        self.summary: ShardSummary | None = None
+
+    def optimize(
+        self, model: nn.Module, policy: Policy | None = None
+    ) -> tuple[nn.Module, list[dict[int, torch.Tensor]]]:
+        """Shard ``model`` in place.
+
+        Order: the policy's ``config_sanity_check`` and ``preprocess``; its module policy
+        (parallel layers, divided attributes, tensor-parallel regions) when tensor
+        parallelism is on; ``postprocess`` (vocab-parallel loss and the like); then fused
+        norms and the Colossal attention implementation when asked for.
+
+        Args:
+            model: The model (modified in place).
+            policy: A policy instance; None picks one with ``get_autopolicy(model)``.
+
+        Returns:
+            ``(model, shared_params)``; ``shared_params`` lists parameters shared between
+            pipeline stages (empty without pipeline parallelism).
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module`` or ``policy`` not a ``Policy``.
+            NotImplementedError: No policy supports ``model``'s class.
+            ValueError: The model's shape cannot be split over the tensor-parallel size.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"optimize needs an nn.Module, got {type(model).__name__}")
+        if policy is None:
+            from colossal.shardformer.policies.auto_policy import get_autopolicy
+
+            policy = get_autopolicy(model)
+        elif not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a Policy instance (e.g. MyPolicy()), got {policy!r}")
+        config = self.shard_config
+        policy.set_model(model)
+        policy.set_shard_config(config)
+        policy.config_sanity_check()
+        model = policy.preprocess()
+        before = _local_numel(model)
+        tp = config.enable_tensor_parallelism and dist.is_initialized()
+        if tp:
+            self.summary = apply_module_policy(
+                model, policy.module_policy(), config.tensor_parallel_process_group
+            )
+        elif config.enable_tensor_parallelism:
+            logger.info(
+                "torch.distributed is not initialized: %s is not split", type(model).__name__
+            )
+        model = policy.postprocess()
+        if config.enable_fused_normalization:
+            from colossal.shardformer.norm import replace_norms
+
+            replace_norms(model)
+        if config.enable_flash_attention:
+            from colossal.shardformer.attention import register_attention
+
+            set_attention_implementation(model, register_attention())
+        if self.summary is not None:
+            logger.info(
+                "%s sharded with %s over %d ranks: %d modules replaced, %d attributes set, "
+                "%d tensor-parallel regions, %d sharded parameters; local parameters %d -> %d",
+                type(model).__name__,
+                type(policy).__name__,
+                config.tensor_parallel_size,
+                len(self.summary.replaced),
+                len(self.summary.attributes),
+                len(self.summary.tp_regions),
+                len(self.summary.sharded_params),
+                before,
+                _local_numel(model),
+            )
+        return model, policy.get_shared_params()

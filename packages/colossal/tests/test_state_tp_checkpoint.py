@@ -19,7 +19,7 @@ from torch import nn
 
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import Block, Blocks, OptimizerWrapper, shard_parameter, shard_spec, sharded_view
-from colossal.core.testing import spawn
+from colossal.core.testing import assert_rel_close, spawn
 
 FAMILIES = ("llama", "gpt2")
 VOCAB = 100  # padded to 128 at TP 2 and 256 at TP 4: ranks 2 and 3 hold only padding
@@ -44,7 +44,14 @@ def build(family: str, seed: int = 0) -> nn.Module:
         )
         return transformers.LlamaForCausalLM(config)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=4, n_positions=16
+        vocab_size=VOCAB,
+        n_embd=16,
+        n_layer=1,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,  # no dropout: the grad-norm check compares a forward and backward
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -183,46 +190,109 @@ def _check_equal(model: nn.Module, optimizer: Any, ref: nn.Module, ref_opt: Any,
             assert torch.equal(gathered(mine[key], p), theirs[key]), f"{what}: {name}.{key}"
 
 
-def _save_tp(rank: int, world_size: int, root: str) -> None:
-    for family in FAMILIES:
-        model = shard_by_hand(build(family), rank, world_size)
-        optimizer = make_optimizer(model)
-        step(model, optimizer, 1)
-        ref, ref_opt = reference(family)
-        _check_equal(model, optimizer, ref, ref_opt, f"TP {world_size} training")
-        io = CheckpointIO()
-        io.save_model(model, os.path.join(root, family), shard=True, size_per_shard=0.002)
-        io.save_optimizer(optimizer, os.path.join(root, family), shard=True, size_per_shard=0.002)
+def has_shardformer() -> bool:
+    """Whether ``colossal.shardformer`` provides ShardFormer (its framework has landed)."""
+    try:
+        from colossal.shardformer.shard import ShardConfig, ShardFormer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-def _load_tp(rank: int, world_size: int, root: str) -> None:
-    for family in FAMILIES:
-        model = shard_by_hand(build(family, seed=5), rank, world_size)  # other values
-        optimizer = make_optimizer(model)
-        step(model, optimizer, 9)  # other states, to be overwritten
-        io = CheckpointIO()
-        io.load_model(model, os.path.join(root, family))
-        io.load_optimizer(optimizer, os.path.join(root, family))
-        ref, ref_opt = reference(family)
-        _check_equal(model, optimizer, ref, ref_opt, f"TP {world_size} load")
-        # The loaded (padded) states train on: a second step equals the reference's.
-        step(model, optimizer, 2)
-        step(ref, ref_opt, 2)
-        _check_equal(model, optimizer, ref, ref_opt, f"TP {world_size} step after load")
+def shard(model: nn.Module, how: str, rank: int, tp: int) -> nn.Module:
+    """``model`` sharded over the whole job: by hand, or end to end by ShardFormer."""
+    if how == "hand":
+        return shard_by_hand(model, rank, tp)
+    from colossal.shardformer.shard import ShardConfig, ShardFormer
+
+    return ShardFormer(ShardConfig(tensor_parallel_process_group=None)).optimize(model)[0]
+
+
+def _batch(seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _check_grad_norm(rank: int, world_size: int, family: str) -> None:
+    """Real TP gradients: core's grad_norm equals torch's norm of the unsharded model's."""
+    from colossal.core import clip_grad_norm_
+
+    ids = _batch()
+    ref = build(family)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    model = shard(build(family), "shardformer", rank, world_size)
+    model(input_ids=ids, labels=ids).loss.backward()
+    got = clip_grad_norm_(model.parameters(), 1e9)
+    assert_rel_close(got, expected, 1e-5)
+
+
+def _save_tp(rank: int, world_size: int, root: str, flavors: tuple[str, ...]) -> None:
+    for how in flavors:
+        for family in FAMILIES:
+            if how == "shardformer":
+                _check_grad_norm(rank, world_size, family)
+            model = shard(build(family), how, rank, world_size)
+            optimizer = make_optimizer(model)
+            step(model, optimizer, 1)
+            ref, ref_opt = reference(family)
+            _check_equal(model, optimizer, ref, ref_opt, f"{how} TP {world_size} training")
+            io = CheckpointIO()
+            directory = os.path.join(root, how, family)
+            io.save_model(model, directory, shard=True, size_per_shard=0.002)
+            io.save_optimizer(optimizer, directory, shard=True, size_per_shard=0.002)
+
+
+def _check_lazy(rank: int, world_size: int, family: str) -> None:
+    """Lazy init, ShardFormer, materialize: only this rank's part, equal to eager + ShardFormer."""
+    from colossal.lazy import LazyInitContext
+
+    eager = shard(build(family), "shardformer", rank, world_size)
+    with LazyInitContext():
+        lazy = build(family)
+    lazy = shard(lazy, "shardformer", rank, world_size)
+    assert all(p.is_meta for p in lazy.parameters())
+    LazyInitContext.materialize(lazy)
+    eager_params = dict(eager.named_parameters(remove_duplicate=False))
+    for name, p in lazy.named_parameters(remove_duplicate=False):
+        assert p.shape == eager_params[name].shape, f"lazy {family}: {name} shape"
+        assert torch.equal(p, eager_params[name]), f"lazy {family}: {name}"
+        assert (shard_spec(p) is None) == (shard_spec(eager_params[name]) is None), name
+
+
+def _load_tp(rank: int, world_size: int, root: str, flavors: tuple[str, ...]) -> None:
+    for how in flavors:
+        for family in FAMILIES:
+            if how == "shardformer":
+                _check_lazy(rank, world_size, family)
+            model = shard(build(family, seed=5), how, rank, world_size)  # other values
+            optimizer = make_optimizer(model)
+            step(model, optimizer, 9)  # other states, to be overwritten
+            io = CheckpointIO()
+            directory = os.path.join(root, how, family)
+            io.load_model(model, directory)
+            io.load_optimizer(optimizer, directory)
+            ref, ref_opt = reference(family)
+            _check_equal(model, optimizer, ref, ref_opt, f"{how} TP {world_size} load")
+            # The loaded (padded) states train on: a second step equals the reference's.
+            step(model, optimizer, 2)
+            step(ref, ref_opt, 2)
+            _check_equal(model, optimizer, ref, ref_opt, f"{how} TP {world_size} next step")
     dist.barrier()
 
 
 def test_tp2_checkpoint_loads_at_tp4_unsharded_and_from_pretrained(tmp_path: Any) -> None:
     """Catches: local (padded) shards written under HF names, only rank 0's part saved, Blocks
     read as one block, optimizer states saved padded or loaded unpadded, a rank holding only
-    padding reading past the tensor, tied weights saved twice."""
+    padding reading past the tensor, tied weights saved twice. With ShardFormer (end to end):
+    also its real gradients' global norm (TP 2) and lazy init materializing parts (TP 4)."""
     import transformers
 
     root = str(tmp_path)
-    spawn(_save_tp, 2, args=(root,))
-    spawn(_load_tp, 4, args=(root,))
-    for family in FAMILIES:
-        directory = os.path.join(root, family)
+    flavors = ("hand", "shardformer") if has_shardformer() else ("hand",)
+    spawn(_save_tp, 2, args=(root, flavors))
+    spawn(_load_tp, 4, args=(root, flavors))
+    for how, family in ((h, f) for h in flavors for f in FAMILIES):
+        directory = os.path.join(root, how, family)
         ref, ref_opt = reference(family)
         expected = ref.state_dict()
         # Files: whole, unpadded Hugging Face tensors, each tied weight once.

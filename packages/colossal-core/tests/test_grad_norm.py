@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colossal.core import Block, Blocks, CommTracker, clip_grad_norm_, grad_norm, mark_sharded
+from colossal.core import (
+    Block,
+    Blocks,
+    CommTracker,
+    OptimizerWrapper,
+    clip_grad_norm_,
+    grad_norm,
+    mark_sharded,
+)
 from colossal.core.testing import assert_rel_close, distributed_test
 
 JUNK = 1e3  # padding gradients this large would dominate any norm that counted them
@@ -118,6 +126,15 @@ def test_grad_norm_matches_unsharded(rank: int, world_size: int) -> None:
             assert_rel_close(mine.grad, ref.grad, 1e-6)
     # Catches a clip that scaled by the local (per-rank) norm: grads are now at max_norm.
     assert_rel_close(grad_norm(local), torch.tensor(max_norm), 1e-5)
+
+    # The optimizer wrapper's norm and clip (what Booster users call) are the global ones.
+    full = _full_model()
+    local = _shard(full, rank, world_size)
+    expected = torch.nn.utils.clip_grad_norm_(list(full.values()), max_norm)
+    wrapper = OptimizerWrapper(torch.optim.SGD(local, lr=0.1))
+    assert_rel_close(torch.tensor(wrapper.get_grad_norm()), expected, 1e-6)
+    assert_rel_close(torch.tensor(wrapper.clip_grad_by_norm(max_norm)), expected, 1e-6)
+    assert_rel_close(torch.tensor(wrapper.get_grad_norm()), torch.tensor(max_norm), 1e-5)
 
 
 def test_grad_norm_single_process_excludes_padding() -> None:

@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from colossal.core.grad_norm import clip_grad_norm_, grad_norm
+from colossal.core.sharded_state import shard_spec
+
 
 class ModelWrapper(nn.Module):
     """A module that wraps another; ``unwrap()`` returns the user's original module.
@@ -165,7 +168,13 @@ class OptimizerWrapper:
         self.optim.zero_grad(*args, **kwargs)
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
-        """Total norm of all gradients (as if concatenated into one vector)."""
+        """Total norm of all gradients (as if concatenated into one vector).
+
+        With tensor-parallel (marked) parameters it is the global norm
+        (:func:`colossal.core.grad_norm`; collective over their groups).
+        """
+        if any(shard_spec(p) is not None for p in self._params()):
+            return float(grad_norm(list(self._params()), norm_type))
         grads = [p.grad for p in self._params() if p.grad is not None]
         if not grads:
             return 0.0
@@ -176,6 +185,8 @@ class OptimizerWrapper:
         """Scale gradients so their total norm is at most ``max_norm``; return the norm before."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        if any(shard_spec(p) is not None for p in self._params()):  # tensor parallel: global
+            return float(clip_grad_norm_(list(self._params()), max_norm, norm_type))
         params = [p for p in self._params() if p.grad is not None]
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
 

@@ -7,6 +7,7 @@ One spawned run per world size keeps the package's CI budget.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,6 +65,30 @@ def _check_comm_count() -> None:
     assert two_bwd.calls() - one_bwd.calls() == 2
 
 
+def _check_more_plan_styles(batch: dict[str, torch.Tensor]) -> None:
+    """Qwen3: per-head q/k norms ("replicated_with_grad_allreduce": each rank sees only its
+    heads, so their gradients are summed over the group). Gemma3: a scaled embedding
+    subclass, left replicated together with the LM head tied to it (the vocab-parallel
+    layer would drop the scale)."""
+    import transformers
+
+    common = dict(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    families = {
+        "Qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "Gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }
+    for family, (config_cls, model_cls) in families.items():
+        config = config_cls(**common)
+        report = reference_check(partial(model_cls, config), batch, {}, steps=1)
+        assert any("q_proj" in n for n in report.sharded), family
+        if family == "Gemma3":
+            assert "model.embed_tokens.weight" not in report.sharded
+
+
 @distributed_test(2, 4, timeout=240)
 def test_tp_plan_families_match_unsharded(rank: int, world_size: int) -> None:
     """Logits, loss, every gradient and 5 SGD steps equal the unsharded model (fp32).
@@ -90,6 +115,7 @@ def test_tp_plan_families_match_unsharded(rank: int, world_size: int) -> None:
         )
         assert report.worst() > 0  # the bf16 run really ran in bf16
         _check_comm_count()
+        _check_more_plan_styles(batch)
     else:
         from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 

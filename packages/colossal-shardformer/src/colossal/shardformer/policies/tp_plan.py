@@ -208,7 +208,10 @@ class TPPlanPolicy(Policy):
         embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         if isinstance(embeddings, nn.Embedding):
             emb_path = next(p for p, m in modules.items() if m is embeddings)
-            entries.setdefault(emb_path, (emb_path, "embedding_rowwise"))
+            if type(embeddings) is nn.Embedding:
+                entries.setdefault(emb_path, (emb_path, "embedding_rowwise"))
+            else:
+                self._keep_replicated(emb_path, embeddings, entries, modules)
 
         policy: dict[type[nn.Module], ModulePolicyDescription] = {}
         colwise: dict[type[nn.Module], dict[str, set[str]]] = {}
@@ -234,6 +237,28 @@ class TPPlanPolicy(Policy):
                 if len(children) > 1 and self._all_children_planned(example, parent, planned):
                     policy[cls].tp_region_inputs.append(parent)
         return policy
+
+    def _keep_replicated(
+        self,
+        emb_path: str,
+        embeddings: nn.Embedding,
+        entries: dict[str, tuple[str, str]],
+        modules: dict[str, nn.Module],
+    ) -> None:
+        """Leave an embedding subclass (Gemma's scaled one) and a head tied to it whole.
+
+        Its forward does more than a lookup, which the vocab-parallel layer would drop.
+        """
+        entries.pop(emb_path, None)
+        for path in [p for p in entries if modules[p] is not embeddings]:
+            if getattr(modules[path], "weight", None) is embeddings.weight:
+                entries.pop(path)
+        logger.info(
+            "%s: %s at %r is not a plain nn.Embedding; it (and a head tied to it) stays replicated",
+            type(self.model).__name__,
+            type(embeddings).__name__,
+            emb_path,
+        )
 
     def _divide_heads(
         self, container: nn.Module, parent: str, desc: ModulePolicyDescription

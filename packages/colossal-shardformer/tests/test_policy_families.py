@@ -1,8 +1,10 @@
 """Hand-written policies (GPT-2, BERT, ViT, OPT, Bloom) against the unsharded models.
 
-One spawned case per family and world size (2 and 4) checks several heads of the family
-with ``reference_check``: logits (gathered, padding dropped), loss, every parameter's
-gradient at relative error <= 1e-5 in fp32, then 5 SGD steps and every gathered parameter.
+One world-2 spawned case per family checks several heads and variants of the family with
+``reference_check``: logits (gathered, padding dropped), loss, every parameter's gradient at
+relative error <= 1e-5 in fp32, then 5 SGD steps and every gathered parameter; GPT-2 also in
+bf16 (tolerances below). One world-4 case (2 heads per rank) runs each family's base model
+and main head (Bloom with and without a mask) in a single spawn (CI budget).
 Tiny configs with every dropout probability 0, vocabulary 250 (not a multiple of
 ``64 * tp``: the padding is exercised), 8 heads (2 per rank at TP 4).
 
@@ -138,7 +140,7 @@ def _gpt2(cls_name: str, **overrides: Any) -> Any:
     return build
 
 
-@distributed_test(2, 4)
+@distributed_test(2)
 def test_gpt2(rank: int, world_size: int) -> None:
     """GPT2Model, GPT2LMHeadModel (tied, sharded and gathered logits), sequence classification."""
     batch = _batch()
@@ -146,15 +148,16 @@ def test_gpt2(rank: int, world_size: int) -> None:
     report = _check(_gpt2("GPT2LMHeadModel"), batch, "GPT2LMHeadModel")
     assert "lm_head.weight" not in report.grads  # tied: one parameter, named once
     assert "transformer.h.0.attn.c_attn.weight" in report.sharded
-    _check(
-        _gpt2("GPT2LMHeadModel"),
-        batch,
-        "GPT2LMHeadModel(parallel_output=False)",
-        shard_config_kwargs={"parallel_output": False},
-        steps=0,
-    )
-    seq_cls = "GPT2ForSequenceClassification"
-    _check(_gpt2(seq_cls), _cls_batch(batch), seq_cls, lr=1.0)
+    if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
+        _check(
+            _gpt2("GPT2LMHeadModel"),
+            batch,
+            "GPT2LMHeadModel(parallel_output=False)",
+            shard_config_kwargs={"parallel_output": False},
+            steps=0,
+        )
+        seq_cls = "GPT2ForSequenceClassification"
+        _check(_gpt2(seq_cls), _cls_batch(batch), seq_cls, lr=1.0)
     if world_size == 2:
         _check_bf16(_gpt2("GPT2LMHeadModel"), batch, "GPT2LMHeadModel")
 
@@ -214,7 +217,7 @@ def _bert(cls_name: str, **overrides: Any) -> Any:
     return build
 
 
-@distributed_test(2, 4)
+@distributed_test(2)
 def test_bert(rank: int, world_size: int) -> None:
     """BertModel, BertForMaskedLM (tied decoder + bias, vocab-parallel CE), seq. classification."""
     batch = _batch(pad=True)
@@ -226,14 +229,15 @@ def test_bert(rank: int, world_size: int) -> None:
     report = _check(_bert("BertForMaskedLM"), mlm, "BertForMaskedLM")
     assert "cls.predictions.decoder.weight" not in report.grads  # tied to word_embeddings
     assert "bert.embeddings.word_embeddings.weight" in report.sharded
-    seq_cls = "BertForSequenceClassification"
-    _check(_bert(seq_cls), _cls_batch(batch), seq_cls)
-    _check(
-        _bert("BertForPreTraining"),
-        {**_no_labels(batch)},
-        "BertForPreTraining",
-        steps=0,
-    )
+    if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
+        seq_cls = "BertForSequenceClassification"
+        _check(_bert(seq_cls), _cls_batch(batch), seq_cls)
+        _check(
+            _bert("BertForPreTraining"),
+            {**_no_labels(batch)},
+            "BertForPreTraining",
+            steps=0,
+        )
 
 
 # --------------------------------------------------------------------------------- ViT
@@ -260,18 +264,19 @@ def _vit(cls_name: str) -> Any:
     return build
 
 
-@distributed_test(2, 4)
+@distributed_test(2)
 def test_vit(rank: int, world_size: int) -> None:
     """ViTModel and ViTForImageClassification (5.x module names: layers, q/k/v/o_proj, mlp)."""
     gen = torch.Generator().manual_seed(7)
     pixels = torch.randn(2, 3, 16, 16, generator=gen)
     report = _check(_vit("ViTModel"), {"pixel_values": pixels}, "ViTModel")
     assert "layers.0.attention.q_proj.weight" in report.sharded
-    _check(
-        _vit("ViTForImageClassification"),
-        {"pixel_values": pixels, "labels": torch.tensor([0, 2])},
-        "ViTForImageClassification",
-    )
+    if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
+        _check(
+            _vit("ViTForImageClassification"),
+            {"pixel_values": pixels, "labels": torch.tensor([0, 2])},
+            "ViTForImageClassification",
+        )
 
 
 # --------------------------------------------------------------------------------- OPT
@@ -300,21 +305,22 @@ def _opt(cls_name: str, **overrides: Any) -> Any:
     return build
 
 
-@distributed_test(2, 4)
+@distributed_test(2)
 def test_opt(rank: int, world_size: int) -> None:
     """OPTModel, OPTForCausalLM (also with project_in/out), sequence classification."""
     batch = _batch()
     _check(_opt("OPTModel"), _no_labels(batch), "OPTModel")
     report = _check(_opt("OPTForCausalLM"), batch, "OPTForCausalLM")
     assert "model.decoder.layers.0.self_attn.q_proj.weight" in report.sharded
-    _check(
-        _opt("OPTForCausalLM", word_embed_proj_dim=32),
-        batch,
-        "OPTForCausalLM(word_embed_proj_dim=32)",
-        steps=0,
-    )
-    seq_cls = "OPTForSequenceClassification"
-    _check(_opt(seq_cls), _cls_batch(batch), seq_cls)
+    if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
+        _check(
+            _opt("OPTForCausalLM", word_embed_proj_dim=32),
+            batch,
+            "OPTForCausalLM(word_embed_proj_dim=32)",
+            steps=0,
+        )
+        seq_cls = "OPTForSequenceClassification"
+        _check(_opt(seq_cls), _cls_batch(batch), seq_cls)
 
 
 # --------------------------------------------------------------------------------- Bloom
@@ -339,7 +345,7 @@ def _bloom(cls_name: str) -> Any:
     return build
 
 
-@distributed_test(2, 4)
+@distributed_test(2)
 def test_bloom(rank: int, world_size: int) -> None:
     """BloomModel, BloomForCausalLM (ALiBi with and without a mask), seq. classification."""
     batch = _batch(pad=True)
@@ -348,5 +354,18 @@ def test_bloom(rank: int, world_size: int) -> None:
     assert "transformer.h.0.self_attention.query_key_value.weight" in report.sharded
     no_mask = {k: v for k, v in _batch(pad=False).items() if k != "attention_mask"}
     _check(_bloom("BloomForCausalLM"), no_mask, "BloomForCausalLM (no mask)", steps=0)
-    seq_cls = "BloomForSequenceClassification"
-    _check(_bloom(seq_cls), _cls_batch(batch), seq_cls)
+    if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
+        seq_cls = "BloomForSequenceClassification"
+        _check(_bloom(seq_cls), _cls_batch(batch), seq_cls)
+
+
+@distributed_test(4)
+def test_all_families_tp4(rank: int, world_size: int) -> None:
+    """Every family's checks at TP 4 (2 heads per rank) in one spawned run (CI budget)."""
+    for family in (test_gpt2, test_bert, test_vit, test_opt, test_bloom):
+        _distributed_impl(family)(rank, world_size)
+
+
+def _distributed_impl(test: Any) -> Any:
+    """The per-rank function behind a ``distributed_test`` test."""
+    return globals()[f"_distributed_impl_{test.__name__}"]

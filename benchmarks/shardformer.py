@@ -289,6 +289,15 @@ def _comm(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def _profile(trainer: Trainer, rows: int) -> str:
+    """torch.profiler's table (top ``rows`` ops by self CPU time) of one step of this rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Build, warm up, count and time every configuration of one world size."""
     from colossal.core.comm import all_gather_object
@@ -319,6 +328,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[st
             wall, cpu_s = _span(t.step)
             times[t.name].append(wall)
             cpu[t.name].append(cpu_s)
+    profiles = {t.name: _profile(t, args.profile) for t in trainers} if args.profile else {}
     if rank != 0:
         return []
     with torch.device("meta"):
@@ -340,6 +350,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[st
                 "backward_ms": statistics.median(p[1] for p in t.phases) * 1e3,
                 "optimizer_ms": statistics.median(p[2] for p in t.phases) * 1e3,
                 **comm.get(t.name, {}),
+                **({"_profile": profiles[t.name]} if profiles else {}),
             }
         )
     return rows
@@ -352,6 +363,13 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per config")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the top N ops (self CPU time) of one extra step per config on rank 0",
+    )
     args = parser.parse_args()
     args.size = QUICK if args.quick else FULL
     args.rounds = args.rounds or (3 if args.quick else 5)
@@ -369,6 +387,7 @@ def main() -> None:
     for world in args.worlds:
         ours, theirs = spawn(worker, world, args=(args,), timeout=3600)[0]
         ours["vs_torch"] = ours["step_ms"] / theirs["step_ms"]
+        ours["cpu_vs_torch"] = ours["cpu_ms"] / theirs["cpu_ms"]
         for r in (ours, theirs):
             r["vs_unsharded"] = r["step_ms"] / reference["step_ms"]
             r["memory_vs_expected"] = r["param_bytes"] / r["expected_param_bytes"]
@@ -420,6 +439,7 @@ def main() -> None:
                 "colossal/torch": round(r["vs_torch"], 3) if "vs_torch" in r else "",
                 "vs unsharded": round(r.get("vs_unsharded", 1.0), 3),
                 "CPU ms/step (all ranks)": round(r["cpu_ms"]),
+                "CPU colossal/torch": round(r["cpu_vs_torch"], 3) if "cpu_vs_torch" in r else "",
                 "param MB/rank": round(r["param_bytes"] / 2**20, 2),
                 "expected MB": round(r["expected_param_bytes"] / 2**20, 2),
                 "comm bytes/step": r.get("comm_bytes", ""),
@@ -437,6 +457,10 @@ def main() -> None:
     print("| goal | value | target | met |\n|---|---:|---|---|")
     for g in goals:
         print(f"| {g['name']} | {g['value']} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
+    for r in rows:
+        if "_profile" in r:
+            print(f"\nprofile of one step, world {r['world']}, {r['config']} (rank 0):")
+            print(r.pop("_profile"))
     info = machine()
     print(f"\nmachine: {info}")
     write_json(args.json, "shardformer", rows, goals)

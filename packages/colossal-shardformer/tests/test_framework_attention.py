@@ -34,9 +34,30 @@ def _custom_mask() -> torch.Tensor:
     return mask.expand(2, 1, 8, 8).clone()
 
 
-@pytest.mark.parametrize("masking", ["causal", "padded", "custom_float", "custom_bool"])
-def test_colossal_attention_matches_sdpa(masking: str) -> None:
-    """Catches: a dropped or mis-oriented mask, a lost causal flag, a wrong output layout."""
+@pytest.mark.parametrize(
+    ("masking", "kind"),
+    [
+        ("causal", "causal"),
+        ("padded", "padded_causal"),
+        ("custom_float", "custom"),
+        ("custom_bool", "custom"),
+    ],
+)
+def test_colossal_attention_matches_sdpa(
+    masking: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches: a dropped or mis-oriented mask, a lost causal flag, a wrong output layout,
+    and a padded batch that does not reach the kernels' padded kind."""
+    import colossal.kernels
+
+    kinds: list[str] = []
+    dispatch = colossal.kernels.attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, **kw: object):
+        kinds.append(mask.kind.value)  # type: ignore[attr-defined]
+        return dispatch(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(colossal.kernels, "attention", spy)
     batch = causal_lm_batch(250)
     kwargs: dict[str, torch.Tensor] = {"input_ids": batch["input_ids"]}
     if masking == "padded":
@@ -50,6 +71,7 @@ def test_colossal_attention_matches_sdpa(masking: str) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
     assert model.config._attn_implementation == ATTENTION_NAME
     got = model(**kwargs).logits
+    assert kinds == [kind]  # one layer, one call, the expected mask kind
     assert_rel_close(got, expected, 1e-5, name=masking)
     if masking == "custom_bool":
         return  # transformers' eager attention adds a bool mask as 0/1: no reference there

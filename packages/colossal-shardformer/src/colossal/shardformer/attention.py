@@ -6,9 +6,10 @@ the name ``"colossal"``; ``model.set_attn_implementation("colossal")`` then make
 attention module that uses the interface call it. No model code is replaced.
 
 Masks: none (causal when the module is causal, via the kernels' causal kind), a 2-D padding
-mask (padded kinds), and a 4-D bool or additive float mask (custom kind). transformers builds
-the mask as for SDPA: ``None`` when plain causal attention suffices, else a 4-D bool mask that
-already holds padding, sliding windows and packed sequences.
+mask (padded kinds), and a 4-D bool or additive float mask (custom kind). The registered mask
+builder (:func:`colossal_mask`) keeps a plain padded causal batch as its 2-D padding mask and
+otherwise builds transformers' SDPA mask (``None``, or a 4-D bool mask that already holds
+sliding windows, cache offsets and packed sequences).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION_NAME", "colossal_attention_forward", "register_attention"]
+__all__ = ["ATTENTION_NAME", "colossal_attention_forward", "colossal_mask", "register_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +81,56 @@ def colossal_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def colossal_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask builder registered with transformers' ``AttentionMaskInterface``.
+
+    Plain causal attention over a whole padded batch (no cache offset, no sliding window,
+    no packed sequences) keeps the ``[B, S]`` padding mask, which the attention turns into
+    the kernels' padded-causal kind (``None`` when nothing is padded). Everything else gets
+    transformers' SDPA mask: ``None`` or a 4-D bool mask (the kernels' custom kind).
+    """
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (
+        mask_function is causal_mask_function
+        and not kwargs.get("use_vmap", False)
+        and attention_mask is not None
+        and attention_mask.dim() == 2
+        and q_offset == 0
+        and kv_offset == 0
+        and q_length == kv_length == attention_mask.shape[1]
+    )
+    if plain:
+        assert attention_mask is not None
+        mask = attention_mask.bool()
+        return None if bool(mask.all()) else mask
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
 def register_attention() -> str:
     """Register the colossal attention with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, colossal_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, colossal_mask)
     return ATTENTION_NAME

@@ -55,9 +55,18 @@ Reported per world size:
   peer's collectives do not pass through Colossal's helpers; their count per kind comes from
   torch's ``CommDebugMode`` (reported, not a goal).
 
+Reading the numbers: the step time is wall time, so on a machine whose cores are shared (or
+with fewer cores than ranks, e.g. world 4 on 2 cores) it includes waiting for the CPU; every
+round alternates the two TP configurations so both see the same load, and the "CPU ms/step"
+column (process CPU time summed over ranks) is the load-insensitive view of the same ratio.
+``--profile N`` prints torch.profiler's top ``N`` ops of one step per configuration on rank 0
+(a blocking gloo all-reduce shows up as the self time of the op that waits for it:
+``_ReduceFromRegion``/``_CopyToRegionBackward`` for ours, ``wait_tensor`` for DTensor).
+
 Usage::
 
-    python3 benchmarks/shardformer.py [--quick] [--worlds 2 4] [--rounds N] [--json PATH]
+    python3 benchmarks/shardformer.py [--quick] [--worlds 2 4] [--rounds N] [--profile N]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -372,7 +381,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.size = QUICK if args.quick else FULL
-    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.rounds = args.rounds or (3 if args.quick else 9)
     if args.rounds < 3 or args.warmup < 1:
         raise ValueError(
             f"--rounds must be >= 3 and --warmup >= 1, got {args.rounds}, {args.warmup}"

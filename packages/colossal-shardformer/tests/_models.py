@@ -35,59 +35,40 @@ __all__ = [
 # Tiny configs (fp32-friendly, every dim divisible by 4 so TP 2 and 4 both work).
 
 
+_TINY_DECODER: dict[str, Any] = dict(
+    vocab_size=250,  # not a multiple of 64 * tp: exercises the vocab padding
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=8,
+    num_key_value_heads=4,  # grouped-query attention
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+def _tiny(config_cls: type, num_hidden_layers: int, **overrides: Any) -> Any:
+    return config_cls(**{**_TINY_DECODER, "num_hidden_layers": num_hidden_layers, **overrides})
+
+
 def tiny_llama_config(num_hidden_layers: int = 2, **overrides: Any) -> Any:
     """A tiny Llama config with grouped-query attention (8 heads, 4 key/value heads)."""
     from transformers import LlamaConfig
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=250,  # not a multiple of 64 * tp: exercises the vocab padding
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return _tiny(LlamaConfig, num_hidden_layers, **overrides)
 
 
 def tiny_mistral_config(num_hidden_layers: int = 2, **overrides: Any) -> Any:
     """A tiny Mistral config (grouped-query attention, sliding window longer than the batch)."""
     from transformers import MistralConfig
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=250,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        sliding_window=32,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return MistralConfig(**kwargs)
+    return _tiny(MistralConfig, num_hidden_layers, **{"sliding_window": 32, **overrides})
 
 
 def tiny_qwen2_config(num_hidden_layers: int = 2, **overrides: Any) -> Any:
     """A tiny Qwen2 config (q/k/v with bias, tied embeddings)."""
     from transformers import Qwen2Config
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=250,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    kwargs.update(overrides)
-    return Qwen2Config(**kwargs)
+    return _tiny(Qwen2Config, num_hidden_layers, **{"tie_word_embeddings": True, **overrides})
 
 
 def causal_lm_batch(

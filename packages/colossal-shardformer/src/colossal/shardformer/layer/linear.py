@@ -228,7 +228,6 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
             (else the forward keeps the slice of a full input).
     """
 
-
     def __init__(
         self,
         in_features: int,
@@ -269,7 +268,10 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         in_features, out_features = cls._native_sizes(module)
         tp, rank = group_size(process_group), group_rank(process_group)
         check_divisible(
-            "in_features", in_features, tp, cls.__name__,
+            "in_features",
+            in_features,
+            tp,
+            cls.__name__,
             "choose a tensor-parallel size that divides it",
         )
         in_dim = 1 - cls._out_dim
@@ -294,45 +296,35 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         return f"{super().extra_repr()}, parallel_input={self.parallel_input}"
 
 
-class GPT2FusedLinearConv1D_Col(Linear1D_Col):  # noqa: N801 - ColossalAI's name
+class _Conv1DLayout:
+    """transformers' ``Conv1D`` layout: weight ``(in, out)``, with its ``nf``/``nx`` names."""
+
+    in_features: int
+    out_features: int
+    _out_dim = 1
+
+    @classmethod
+    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+
+    @property
+    def nf(self) -> int:
+        """Output features of the native layer (``Conv1D``'s name)."""
+        return self.out_features
+
+    @property
+    def nx(self) -> int:
+        """Input features of the native layer (``Conv1D``'s name)."""
+        return self.in_features
+
+
+class GPT2FusedLinearConv1D_Col(_Conv1DLayout, Linear1D_Col):  # noqa: N801 - ColossalAI's name
     """Column-parallel ``transformers.pytorch_utils.Conv1D`` (weight ``(in, out)``).
 
     ``from_native_module(conv1d, pg, n_fused=3, gather_output=False)`` for GPT-2's fused
     ``c_attn``; ``n_fused=1`` for ``c_fc``.
     """
 
-    _out_dim = 1
 
-    @classmethod
-    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
-
-    @property
-    def nf(self) -> int:
-        """Output features of the native layer (``Conv1D``'s name)."""
-        return self.out_features
-
-    @property
-    def nx(self) -> int:
-        """Input features of the native layer (``Conv1D``'s name)."""
-        return self.in_features
-
-
-class GPT2FusedLinearConv1D_Row(Linear1D_Row):  # noqa: N801 - ColossalAI's name
+class GPT2FusedLinearConv1D_Row(_Conv1DLayout, Linear1D_Row):  # noqa: N801 - ColossalAI's name
     """Row-parallel ``transformers.pytorch_utils.Conv1D`` (weight ``(in / tp, out)``)."""
-
-    _out_dim = 1
-
-    @classmethod
-    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
-
-    @property
-    def nf(self) -> int:
-        """Output features of the native layer (``Conv1D``'s name)."""
-        return self.out_features
-
-    @property
-    def nx(self) -> int:
-        """Input features of the native layer (``Conv1D``'s name)."""
-        return self.in_features

@@ -64,6 +64,8 @@ class GPT2Policy(TPPolicy):
                         suffix="c_proj", target_module=GPT2FusedLinearConv1D_Row
                     ),
                     *dropout_descriptions(["resid_dropout"]),
+                    # eager attention applies module.attn_dropout to this rank's heads
+                    *dropout_descriptions(["attn_dropout"], parallel=True),
                 ],
                 tp_region_inputs=[""],
             ),

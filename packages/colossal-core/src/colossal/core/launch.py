@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colossal.core.accelerator import get_accelerator
-from colossal.core.group_lifetime import keep_alive, keep_all_alive
+from colossal.core.group_lifetime import keep_alive, keep_all_alive, let_workers_finish
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ def destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         keep_all_alive()
         dist.destroy_process_group()
+        let_workers_finish()
     _launched_local_rank = None
 
 

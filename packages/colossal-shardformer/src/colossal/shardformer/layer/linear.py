@@ -120,6 +120,11 @@ class _ParallelLinear(nn.Module):
         else:
             self.bias = bias
 
+    @classmethod
+    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
+        """``(in_features, out_features)`` of the native layer (``nn.Linear``: ``(out, in)``)."""
+        return int(module.weight.shape[1]), int(module.weight.shape[0])
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._out_dim == 0:
             return F.linear(x, self.weight, bias)
@@ -160,10 +165,6 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         super().__init__(in_features, out_features, weight, bias, process_group)
         self.gather_output = bool(gather_output)
         self.n_fused = n_fused
-
-    @classmethod
-    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
-        return int(module.weight.shape[1]), int(module.weight.shape[0])
 
     @classmethod
     def from_native_module(
@@ -239,10 +240,6 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
     ) -> None:
         super().__init__(in_features, out_features, weight, bias, process_group)
         self.parallel_input = bool(parallel_input)
-
-    @classmethod
-    def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
-        return int(module.weight.shape[1]), int(module.weight.shape[0])
 
     @classmethod
     def from_native_module(

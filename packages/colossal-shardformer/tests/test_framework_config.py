@@ -44,13 +44,18 @@ def test_enable_all_optimization_turns_on_the_fused_paths() -> None:
             "split_gather",
         ),
         (
-            {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "ring"},
-            NotImplementedError,
-            "next release",
+            {
+                "enable_sequence_parallelism": True,
+                "sequence_parallelism_mode": "split_gather",
+                "enable_tensor_parallelism": False,
+            },
+            ValueError,
+            "enable_tensor_parallelism=True",
         ),
+        ({"sequence_parallel_process_group": 2}, TypeError, "sequence_parallel_process_group"),
         ({"enable_sequence_overlap": True}, ValueError, "enable_sequence_parallelism"),
-        ({"pipeline_stage_manager": object()}, NotImplementedError, "pipeline"),
-        ({"gradient_checkpoint_config": object()}, NotImplementedError, "gradient_checkpointing"),
+        ({"pipeline_stage_manager": object()}, TypeError, "PipelineStageManager"),
+        ({"gradient_checkpoint_config": object()}, TypeError, "get_num_ckpt_layers"),
     ],
 )
 def test_shard_config_rejects_bad_options(kwargs: dict, error: type, words: str) -> None:

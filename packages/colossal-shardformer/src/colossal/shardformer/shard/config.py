@@ -8,12 +8,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SEQUENCE_PARALLELISM_MODES", "ShardConfig"]
+__all__ = ["SEQUENCE_PARALLELISM_MODES", "TP_SEQUENCE_MODES", "ShardConfig"]
 
 logger = logging.getLogger(__name__)
 
 SEQUENCE_PARALLELISM_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 """Values ``sequence_parallelism_mode`` accepts (with ``enable_sequence_parallelism``)."""
+
+TP_SEQUENCE_MODES = ("split_gather", "ring")
+"""Sequence-parallel modes that split the sequence inside the tensor-parallel group."""
+
+_STAGE_MANAGER_ATTRS = ("num_stages", "stage", "num_model_chunks", "layout", "distribute_layers")
 
 _BOOL_FIELDS = (
     "enable_tensor_parallelism",
@@ -33,33 +38,43 @@ class ShardConfig:
 
     Attributes:
         tensor_parallel_process_group: The tensor-parallel group (None: the whole job).
-        pipeline_stage_manager: Pipeline stage manager (not supported yet: must be None).
+        pipeline_stage_manager: A pipeline stage manager (``colossal.pipeline.
+            PipelineStageManager`` or any object with its attributes): the model keeps only
+            this stage's layers (see :mod:`colossal.shardformer.pipeline`).
         enable_tensor_parallelism: Split layers over ``tensor_parallel_process_group``.
         enable_fused_normalization: Swap LayerNorm/RMSNorm for colossal-kernels' fused norms.
         enable_flash_attention: Route attention through colossal-kernels' ``attention``
             dispatch (registered with transformers' ``AttentionInterface`` as ``"colossal"``).
         enable_jit_fused: Accepted for ColossalAI compatibility; a no-op (the fused paths
             come from colossal-kernels, nothing is JIT-scripted).
-        enable_sequence_parallelism: Not supported yet (the next release): must be False.
+        enable_sequence_parallelism: Split the sequence over ranks (see
+            :mod:`colossal.shardformer.sequence`).
         sequence_parallelism_mode: One of ``SEQUENCE_PARALLELISM_MODES``, only together with
-            ``enable_sequence_parallelism``.
+            ``enable_sequence_parallelism`` (default then ``"split_gather"``). ``"split_gather"``
+            and ``"ring"`` run inside the tensor-parallel group (``"ring"`` is served by
+            ``"split_gather"``); ``"all_to_all"`` (Ulysses) and ``"ring_attn"`` run on
+            ``sequence_parallel_process_group``.
+        sequence_parallel_process_group: The group of ``"all_to_all"`` / ``"ring_attn"``
+            (None: the whole job). Ignored by ``"split_gather"``, which uses the tensor-parallel
+            group.
         enable_sequence_overlap: Overlap sequence-parallel communication (needs sequence
             parallelism).
         parallel_output: Keep the LM head's logits split over the vocabulary (the loss is
             computed vocab-parallel); False gathers them to full ``(..., vocab)`` logits.
         make_vocab_size_divisible_by: The vocabulary is padded to a multiple of this times
             the tensor-parallel size.
-        gradient_checkpoint_config: Accepted for ColossalAI compatibility; must be None (use
-            the model's ``gradient_checkpointing_enable()``).
+        gradient_checkpoint_config: Recompute a number of layers per stage in the backward;
+            an object with ColossalAI's ``get_num_ckpt_layers(stage, num_stages,
+            num_model_chunks, model_chunk_id=0)`` (e.g. ``PipelineGradientCheckpointConfig``).
         enable_all_optimization: Turn on fused normalization, flash attention and JIT fusion.
 
     Raises:
         TypeError: An option of the wrong type.
         ValueError: An invalid value or combination.
-        NotImplementedError: Sequence parallelism or a pipeline stage manager (next release).
     """
 
     tensor_parallel_process_group: Any = None
+    sequence_parallel_process_group: Any = None
     pipeline_stage_manager: Any = None
     enable_tensor_parallelism: bool = True
     enable_fused_normalization: bool = False
@@ -83,12 +98,23 @@ class ShardConfig:
             raise ValueError(
                 f"ShardConfig.make_vocab_size_divisible_by must be an int >= 1, got {m!r}"
             )
-        group = self.tensor_parallel_process_group
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                "ShardConfig.tensor_parallel_process_group must be a torch.distributed "
-                f"ProcessGroup or None (the whole job), got {type(group).__name__}"
-            )
+        for name in ("tensor_parallel_process_group", "sequence_parallel_process_group"):
+            group = getattr(self, name)
+            if group is not None and not isinstance(group, dist.ProcessGroup):
+                raise TypeError(
+                    f"ShardConfig.{name} must be a torch.distributed ProcessGroup or None (the "
+                    f"whole job), got {type(group).__name__}"
+                )
+        self._check_sequence_parallelism()
+        self._check_pipeline()
+        if self.enable_all_optimization:
+            self.enable_fused_normalization = True
+            self.enable_flash_attention = True
+            self.enable_jit_fused = True
+        if self.enable_jit_fused:
+            logger.debug("enable_jit_fused is a no-op: fused paths come from colossal-kernels")
+
+    def _check_sequence_parallelism(self) -> None:
         mode = self.sequence_parallelism_mode
         if mode is not None and mode not in SEQUENCE_PARALLELISM_MODES:
             raise ValueError(
@@ -104,27 +130,78 @@ class ShardConfig:
             raise ValueError(
                 "ShardConfig.enable_sequence_overlap needs enable_sequence_parallelism=True"
             )
-        if self.enable_sequence_parallelism:
-            raise NotImplementedError(
-                "sequence parallelism is not supported by colossal-shardformer yet (planned "
-                "for the next release); set enable_sequence_parallelism=False"
+        if not self.enable_sequence_parallelism:
+            return
+        if mode is None:
+            self.sequence_parallelism_mode = mode = "split_gather"
+        if mode == "ring":
+            logger.info(
+                "sequence_parallelism_mode='ring' runs as 'split_gather': on gloo the ring-"
+                "overlapped all-gather brings nothing over one all-gather"
             )
-        if self.pipeline_stage_manager is not None:
-            raise NotImplementedError(
-                "pipeline parallelism inside ShardFormer is not supported yet (planned for "
-                "the next release); pass pipeline_stage_manager=None"
+        if mode in TP_SEQUENCE_MODES and not self.enable_tensor_parallelism:
+            raise ValueError(
+                f"sequence_parallelism_mode={mode!r} splits the sequence inside the "
+                "tensor-parallel group: set enable_tensor_parallelism=True, or use "
+                "'all_to_all' / 'ring_attn' for sequence parallelism without it"
             )
-        if self.gradient_checkpoint_config is not None:
-            raise NotImplementedError(
-                "gradient_checkpoint_config is not supported; call "
-                "model.gradient_checkpointing_enable() on the Hugging Face model instead"
+
+    def _check_pipeline(self) -> None:
+        manager = self.pipeline_stage_manager
+        if manager is not None:
+            missing = [a for a in _STAGE_MANAGER_ATTRS if not hasattr(manager, a)]
+            if missing:
+                raise TypeError(
+                    "ShardConfig.pipeline_stage_manager must be a colossal.pipeline."
+                    f"PipelineStageManager; {type(manager).__name__} lacks {missing}"
+                )
+        ckpt = self.gradient_checkpoint_config
+        if ckpt is not None and not callable(getattr(ckpt, "get_num_ckpt_layers", None)):
+            raise TypeError(
+                "ShardConfig.gradient_checkpoint_config must provide get_num_ckpt_layers(stage, "
+                "num_stages, num_model_chunks, model_chunk_id=0) (use colossal.shardformer."
+                f"PipelineGradientCheckpointConfig), got {type(ckpt).__name__}"
             )
-        if self.enable_all_optimization:
-            self.enable_fused_normalization = True
-            self.enable_flash_attention = True
-            self.enable_jit_fused = True
-        if self.enable_jit_fused:
-            logger.debug("enable_jit_fused is a no-op: fused paths come from colossal-kernels")
+
+    @property
+    def sequence_parallel_group(self) -> Any:
+        """The group the sequence is split over (None: sequence parallelism is off).
+
+        ``"split_gather"`` / ``"ring"``: the tensor-parallel group; ``"all_to_all"`` /
+        ``"ring_attn"``: ``sequence_parallel_process_group`` (``dist.group.WORLD`` when None).
+        """
+        if not self.enable_sequence_parallelism:
+            return None
+        if self.sequence_parallelism_mode in TP_SEQUENCE_MODES:
+            group = self.tensor_parallel_process_group
+        else:
+            group = self.sequence_parallel_process_group
+        return dist.group.WORLD if group is None else group
+
+    @property
+    def sequence_parallel_group_kind(self) -> str | None:
+        """``"tensor"`` (split_gather, ring), ``"attention"`` (all_to_all, ring_attn) or None.
+
+        In the ``"attention"`` modes the sequence-parallel attention implementation replaces
+        the model's attention (and ``enable_flash_attention``'s).
+        """
+        if not self.enable_sequence_parallelism:
+            return None
+        return "tensor" if self.sequence_parallelism_mode in TP_SEQUENCE_MODES else "attention"
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks the sequence is split over (1 when sequence parallelism is off)."""
+        if not self.enable_sequence_parallelism or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.sequence_parallel_group)
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """This process's rank in the sequence-parallel group (0 when it is off)."""
+        if not self.enable_sequence_parallelism or not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.sequence_parallel_group)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -48,23 +48,28 @@ class ShardFormer:
     ) -> tuple[nn.Module, list[dict[int, torch.Tensor]]]:
         """Shard ``model`` in place.
 
-        Order: the policy's ``config_sanity_check`` and ``preprocess``; its module policy
-        (parallel layers, divided attributes, tensor-parallel regions) when tensor
-        parallelism is on; ``postprocess`` (vocab-parallel loss and the like); then fused
-        norms and the Colossal attention implementation when asked for.
+        Order: the policy's ``config_sanity_check``; with a pipeline stage manager, the
+        split into this rank's stage (one model chunk per ``num_model_chunks``; layers of
+        other stages are dropped before anything is sharded); then for every chunk the
+        policy's ``preprocess``, its module policy (parallel layers, divided attributes,
+        tensor-parallel regions) when tensor parallelism is on, ``postprocess``
+        (vocab-parallel loss and the like), sequence parallelism, fused norms, the Colossal
+        attention implementation, and gradient checkpointing when asked for.
 
         Args:
             model: The model (modified in place).
             policy: A policy instance; None picks one with ``get_autopolicy(model)``.
 
         Returns:
-            ``(model, shared_params)``; ``shared_params`` lists parameters shared between
-            pipeline stages (empty without pipeline parallelism).
+            ``(model, shared_params)``. With a pipeline stage manager holding several model
+            chunks per stage, ``model`` is an ``nn.ModuleList`` of the chunks (in chunk
+            order). ``shared_params`` lists parameters shared between pipeline stages as
+            ``{stage: parameter}`` (empty without pipeline parallelism).
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module`` or ``policy`` not a ``Policy``.
             NotImplementedError: No policy supports ``model``'s class.
-            ValueError: The model's shape cannot be split over the tensor-parallel size.
+            ValueError: The model's shape cannot be split over the parallel sizes.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"optimize needs an nn.Module, got {type(model).__name__}")
@@ -78,6 +83,22 @@ class ShardFormer:
         policy.set_model(model)
         policy.set_shard_config(config)
         policy.config_sanity_check()
+        chunks: list[nn.Module] = [model]
+        shared: list[dict[int, torch.Tensor]] = []
+        if config.pipeline_stage_manager is not None:
+            from colossal.shardformer.pipeline import split_into_stages
+
+            chunks, shared = split_into_stages(model, policy, config)
+        chunks = [self._shard_chunk(chunk, policy, i) for i, chunk in enumerate(chunks)]
+        if config.pipeline_stage_manager is None:
+            shared = policy.get_shared_params()
+        result = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        return result, shared
+
+    def _shard_chunk(self, model: nn.Module, policy: Policy, chunk_id: int) -> nn.Module:
+        """Apply everything but the pipeline split to one model chunk."""
+        config = self.shard_config
+        policy.set_model(model)
         model = policy.preprocess()
         before = _local_numel(model)
         tp = config.enable_tensor_parallelism and dist.is_initialized()
@@ -90,14 +111,22 @@ class ShardFormer:
                 "torch.distributed is not initialized: %s is not split", type(model).__name__
             )
         model = policy.postprocess()
+        if config.enable_sequence_parallelism:
+            from colossal.shardformer.sequence import apply_sequence_parallelism
+
+            apply_sequence_parallelism(model, config)
         if config.enable_fused_normalization:
             from colossal.shardformer.norm import replace_norms
 
             replace_norms(model)
-        if config.enable_flash_attention:
+        if config.enable_flash_attention and config.sequence_parallel_group_kind != "attention":
             from colossal.shardformer.attention import register_attention
 
             set_attention_implementation(model, register_attention())
+        if config.gradient_checkpoint_config is not None:
+            from colossal.shardformer.shard.grad_ckpt import apply_gradient_checkpointing
+
+            apply_gradient_checkpointing(model, config, chunk_id)
         if self.summary is not None:
             logger.info(
                 "%s sharded with %s over %d ranks: %d modules replaced, %d attributes set, "
@@ -112,4 +141,4 @@ class ShardFormer:
                 before,
                 _local_numel(model),
             )
-        return model, policy.get_shared_params()
+        return model

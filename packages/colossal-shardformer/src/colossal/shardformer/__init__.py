@@ -21,6 +21,7 @@ from colossal.shardformer.layer import (
     VocabParallelLMHead1D,
     cross_entropy_1d,
 )
+from colossal.shardformer.pipeline import StagePlan, split_into_stages
 from colossal.shardformer.policies import (
     ModulePolicyDescription,
     Policy,
@@ -28,7 +29,9 @@ from colossal.shardformer.policies import (
     TPPlanPolicy,
     get_autopolicy,
 )
+from colossal.shardformer.sequence import SequenceParallelGradSync
 from colossal.shardformer.shard import ShardConfig, ShardFormer
+from colossal.shardformer.shard.grad_ckpt import PipelineGradientCheckpointConfig
 
 __all__ = [
     "DropoutForParallelInput",
@@ -38,9 +41,12 @@ __all__ = [
     "Linear1D_Col",
     "Linear1D_Row",
     "ModulePolicyDescription",
+    "PipelineGradientCheckpointConfig",
     "Policy",
+    "SequenceParallelGradSync",
     "ShardConfig",
     "ShardFormer",
+    "StagePlan",
     "SubModuleReplacementDescription",
     "TPPlanPolicy",
     "VocabParallelCrossEntropyLoss",
@@ -49,4 +55,5 @@ __all__ = [
     "__version__",
     "cross_entropy_1d",
     "get_autopolicy",
+    "split_into_stages",
 ]

@@ -7,6 +7,12 @@ holds q, k and v side by side) each of the ``n_fused`` segments is split, so a r
 slice of q, of k and of v. A row-parallel layer splits the input features and all-reduces its
 partial outputs once, then adds the (replicated) bias.
 
+Sequence parallelism (``split_gather``) is a per-instance switch, :attr:`sequence_parallel`
+(None: tensor parallelism only, unchanged): a column-parallel layer not fed by a region entry
+then all-gathers the sequence shards of its input (gradient: reduce-scatter), and a
+row-parallel layer reduce-scatters its partial output along the sequence instead of
+all-reducing it (gradient: all-gather), so activations between them stay sequence-sharded.
+
 Parameters keep the native names and layout, so ``state_dict()`` keys are Hugging Face's;
 each sharded parameter comes from :func:`colossal.core.shard_parameter` (marked with the part
 it holds of the whole, unpadded tensor; ``meta`` natives give ``meta`` shards for lazy init).
@@ -26,8 +32,10 @@ from colossal.core import Block, Blocks, shard_parameter
 from colossal.shardformer.layer._primitives import (
     copy_to_tp_region,
     gather_from_tp_region,
+    gather_sequence_to_tp,
     is_in_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_sequence,
     split_to_tp_region,
 )
 from colossal.shardformer.layer._utils import check_divisible, group_rank, group_size
@@ -95,10 +103,13 @@ class _ParallelLinear(nn.Module):
     """Shared state of the four layers: group, sizes and the ``weight``/``bias`` parameters.
 
     ``_out_dim`` is the weight's output-feature dim: 0 for ``nn.Linear`` ``(out, in)``, 1 for
-    ``Conv1D`` ``(in, out)``.
+    ``Conv1D`` ``(in, out)``. ``sequence_parallel`` is the sequence-parallel switch: None
+    (tensor parallelism only) or the state object of the sequence split (its ``batch_size``
+    unflattens a ``(batch * seq, hidden)`` input).
     """
 
     _out_dim = 0
+    sequence_parallel: Any = None
 
     def __init__(
         self,
@@ -207,7 +218,12 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local projection; the full output when ``gather_output`` else this rank's columns."""
         if not is_in_tp_region(x, self.process_group):
-            x = copy_to_tp_region(x, self.process_group)
+            state = self.sequence_parallel
+            if state is None:
+                x = copy_to_tp_region(x, self.process_group)
+            else:
+                batch = getattr(state, "batch_size", None)
+                x = gather_sequence_to_tp(x, self.process_group, batch)
         y = self._matmul(x, self.bias)
         if self.gather_output:
             y = regroup_fused_output(
@@ -282,10 +298,19 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         return cls(in_features, out_features, weight, bias, process_group, parallel_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Local partial product, one all-reduce over the group, then the bias."""
+        """Local partial product, one all-reduce over the group, then the bias.
+
+        With :attr:`sequence_parallel` set, a reduce-scatter along the sequence replaces the
+        all-reduce (the output holds this rank's sequence slice).
+        """
         if not self.parallel_input:
             x = split_to_tp_region(x, self.process_group)
-        y = reduce_from_tp_region(self._matmul(x, None), self.process_group, inplace=True)
+        state = self.sequence_parallel
+        if state is None:
+            y = reduce_from_tp_region(self._matmul(x, None), self.process_group, inplace=True)
+        else:
+            batch = getattr(state, "batch_size", None)
+            y = reduce_scatter_sequence(self._matmul(x, None), self.process_group, batch)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -9,6 +9,10 @@ that exact tensor skips its own all-reduce.
 The tagged tensor's gradient is all-reduced as a whole, so inside the hooked module it must
 feed only column-parallel layers of the same group (anything replicated reading it would have
 its gradient summed over the group).
+
+With sequence parallelism (``split_gather``) the entry is switched per module by
+:func:`set_region_sequence_parallel`: the hook then all-gathers the sequence shards instead
+(and reduce-scatters the gradient), Megatron-SP's entry of the region.
 """
 
 from __future__ import annotations
@@ -20,10 +24,41 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from colossal.shardformer.layer._primitives import copy_to_tp_region, mark_tp_region
+from colossal.shardformer.layer._primitives import (
+    copy_to_tp_region,
+    gather_sequence_to_tp,
+    mark_tp_region,
+)
 from colossal.shardformer.layer._utils import group_size
 
-__all__ = ["enter_tp_region"]
+__all__ = ["enter_tp_region", "has_tp_region_entry", "set_region_sequence_parallel"]
+
+_ENTRY_ATTR = "_colossal_tp_region_entry"
+_SEQUENCE_ATTR = "_colossal_region_sequence_parallel"
+
+
+def has_tp_region_entry(module: nn.Module) -> bool:
+    """Whether :func:`enter_tp_region` hooked ``module``."""
+    return getattr(module, _ENTRY_ATTR, False)
+
+
+def set_region_sequence_parallel(module: nn.Module, state: Any) -> None:
+    """Switch ``module``'s region entry to the sequence all-gather (None: back to TP only).
+
+    Args:
+        module: A module hooked by :func:`enter_tp_region`.
+        state: The sequence-parallel state (any object; its ``batch_size`` attribute, when
+            set, unflattens a ``(batch * seq, hidden)`` input), or None to switch off.
+
+    Raises:
+        ValueError: ``module`` has no tensor-parallel region entry.
+    """
+    if not has_tp_region_entry(module):
+        raise ValueError(
+            f"{type(module).__name__} has no tensor-parallel region entry; hook it with "
+            "enter_tp_region first"
+        )
+    setattr(module, _SEQUENCE_ATTR, state)
 
 
 def enter_tp_region(module: nn.Module, process_group: ProcessGroup | None) -> RemovableHandle:
@@ -46,8 +81,12 @@ def enter_tp_region(module: nn.Module, process_group: ProcessGroup | None) -> Re
     if not isinstance(module, nn.Module):
         raise TypeError(f"enter_tp_region needs an nn.Module, got {type(module).__name__}")
 
-    def enter(x: torch.Tensor) -> torch.Tensor:
-        return mark_tp_region(copy_to_tp_region(x, process_group), process_group)
+    def enter(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        state = getattr(mod, _SEQUENCE_ATTR, None)
+        if state is None:
+            return mark_tp_region(copy_to_tp_region(x, process_group), process_group)
+        batch = getattr(state, "batch_size", None)
+        return mark_tp_region(gather_sequence_to_tp(x, process_group, batch), process_group)
 
     def hook(
         mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -55,11 +94,12 @@ def enter_tp_region(module: nn.Module, process_group: ProcessGroup | None) -> Re
         if group_size(process_group) == 1:
             return None
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            kwargs = {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
+            kwargs = {**kwargs, "hidden_states": enter(mod, kwargs["hidden_states"])}
             return args, kwargs
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                return (*args[:i], enter(a), *args[i + 1 :]), kwargs
+                return (*args[:i], enter(mod, a), *args[i + 1 :]), kwargs
         return None
 
+    setattr(module, _ENTRY_ATTR, True)
     return module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,395 @@
+"""Ring attention (``ring_attn``): key/value blocks travel around the sequence-parallel group.
+
+Every rank keeps the queries of its own tokens; the key/value block of each rank visits every
+other rank once (``P - 1`` hops), the exchange of the next block overlapping the attention
+over the current one (asynchronous send/receive through :mod:`colossal.core.comm`). Blocks
+are merged with the online softmax: each block's unnormalized output and sum of
+exponentials are rescaled to the running maximum score and added (kept apart rather than as
+one log-sum-exp, which loses the block sizes next to a large additive mask value), so the
+result is exact attention over the whole sequence.
+
+Layout: any assignment of tokens to ranks (``positions[r]``, the global positions rank ``r``
+holds, in its local order). With the zigzag layout (rank ``r`` holds chunks ``r`` and
+``2P-1-r`` of ``2P``) every rank does the same causal work. A rank's tokens are taken as runs
+of consecutive positions (two per rank in zigzag); for each (query run, key run) pair a causal
+mask either hides it entirely (skipped: no compute), shows it entirely (no mask built) or cuts
+it on the diagonal.
+
+Masks: None (causal when the module is causal, else none), a ``[B, S]`` padding mask (plus
+causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive float mask
+(used as it is, like SDPA), each cut to the block of positions at hand. A query that may see
+no key gets a zero output and zero gradients, as SDPA gives.
+
+Backward runs the ring again: key/value blocks travel the same way, and with them the
+gradients of those blocks, which every rank adds its share to; after ``P`` hops each block's
+gradient is back on its owner. Attention dropout is not supported.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ring_attention", "ring_attention_forward"]
+
+logger = logging.getLogger(__name__)
+
+_Run = tuple[int, int, int]  # (local start, local end, global position of the start)
+
+
+def _runs(positions: torch.Tensor, chunks: int) -> list[_Run]:
+    """A rank's tokens as runs of consecutive global positions, in its local order.
+
+    The tokens are first cut in ``chunks`` equal pieces (the layout's chunks: zigzag's two
+    stay two blocks even where they meet, so causal skipping works per chunk), then at every
+    break in the positions.
+    """
+    pos = positions.tolist()
+    n = len(pos)
+    cuts = {n * i // chunks for i in range(chunks + 1)}
+    cuts.update(i for i in range(1, n) if pos[i] != pos[i - 1] + 1)
+    bounds = sorted(cuts)
+    return [(a, b, pos[a]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+class _Mask:
+    """The attention mask and the causal flag, cut to (query run, key run) blocks."""
+
+    def __init__(self, mask: torch.Tensor | None, causal: bool, heads: tuple[int, int]) -> None:
+        self.mask = mask
+        self.causal = causal and (mask is None or mask.dim() == 2)
+        self.heads = heads  # (Hk, R)
+        if mask is not None and mask.dim() not in (2, 4):
+            raise ValueError(
+                f"ring attention takes a [B, S] or 4-D attention mask, got shape "
+                f"{tuple(mask.shape)}"
+            )
+
+    def skipped(self, q: _Run, k: _Run) -> bool:
+        """Whether the causal mask hides the whole block."""
+        return self.causal and k[2] > q[2] + (q[1] - q[0]) - 1
+
+    def block(self, q: _Run, k: _Run) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keep, bias)`` broadcastable to ``[B, Hk, R, nq, nk]`` (None: nothing to apply)."""
+        nq, nk = q[1] - q[0], k[1] - k[0]
+        keep: torch.Tensor | None = None
+        bias: torch.Tensor | None = None
+        m = self.mask
+        if m is not None and m.dim() == 2:
+            keep = m[:, k[2] : k[2] + nk].bool()[:, None, None, None, :]
+        elif m is not None:
+            rows = slice(q[2], q[2] + nq) if m.shape[2] > 1 else slice(None)
+            cols = slice(k[2], k[2] + nk) if m.shape[3] > 1 else slice(None)
+            blk = m[:, :, rows, cols]
+            hk, r = self.heads
+            blk = blk[:, :, None] if blk.shape[1] == 1 else blk.reshape(-1, hk, r, nq, nk)
+            if blk.dtype == torch.bool:
+                keep = blk
+            else:
+                bias = blk.float()
+        if self.causal and k[2] + nk - 1 > q[2]:  # the block crosses the diagonal
+            qp = torch.arange(q[2], q[2] + nq, device=m.device if m is not None else None)
+            kp = torch.arange(k[2], k[2] + nk, device=qp.device)
+            tri = kp[None, :] <= qp[:, None]
+            keep = tri if keep is None else keep & tri
+        return keep, bias
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask: _Mask, qr: _Run, kr: _Run
+) -> torch.Tensor:
+    """Masked scores ``[B, Hk, R, nq, nk]`` of a query run against a key run (fp32)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    keep, bias = mask.block(qr, kr)
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _finite(x: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.where(torch.isneginf(x), torch.full_like(x, fill), x)
+
+
+class _Ring:
+    """The ring over a process group: this rank, its neighbours and the block exchange."""
+
+    def __init__(self, group: Any) -> None:
+        from colossal.core.comm import group_ranks
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        ranks = group_ranks(group)
+        self.next = ranks[(self.rank + 1) % self.size]
+        self.prev = ranks[(self.rank - 1) % self.size]
+
+    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Send ``send`` to the next rank and receive the previous rank's into a new buffer."""
+        from colossal.core.comm import P2POp, batch_isend_irecv
+
+        recv = torch.empty_like(send)
+        works = batch_isend_irecv(
+            [
+                P2POp("send", send, self.next, self.group),
+                P2POp("recv", recv, self.prev, self.group),
+            ]
+        )
+        return recv, works
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(buf: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for t in like:
+        out.append(buf[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        group: Any,
+        positions: list[torch.Tensor],
+        chunks: int,
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        b, hq, sq, _ = q.shape
+        hk = k.shape[1]
+        r = hq // hk
+        spec = _Mask(mask, causal, (hk, r))
+        q_runs = _runs(positions[ring.rank], chunks)
+        kv_runs = [_runs(p, chunks) for p in positions]
+        qg = q.float().reshape(b, hk, r, sq, q.shape[-1])
+        acc = qg.new_zeros(b, hk, r, sq, v.shape[-1])  # unnormalized output
+        peak = qg.new_full((b, hk, r, sq), float("-inf"))  # running max score
+        total = qg.new_zeros(b, hk, r, sq)  # running sum of exp(score - peak)
+        cur = _pack(k, v)
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            works: list[Any] = []
+            if step < ring.size - 1:
+                nxt, works = ring.start(cur)  # the next block travels while this one computes
+            kb, vb = (t.float() for t in _unpack(cur, (k, v)))
+            for qr in q_runs:
+                qs = slice(qr[0], qr[1])
+                for kr in kv_runs[src]:
+                    if spec.skipped(qr, kr):
+                        continue
+                    ks = slice(kr[0], kr[1])
+                    sc = _scores(qg[..., qs, :], kb[..., ks, :], scale, spec, qr, kr)
+                    old = peak[..., qs]
+                    new = _finite(torch.maximum(old, sc.amax(-1)), 0.0)
+                    p = torch.exp(sc - new.unsqueeze(-1))
+                    keep = torch.exp(old - new)
+                    acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + torch.matmul(
+                        p, vb[..., ks, :].unsqueeze(2)
+                    )
+                    total[..., qs] = total[..., qs] * keep + p.sum(-1)
+                    peak[..., qs] = torch.maximum(old, sc.amax(-1))
+            if works:
+                _wait(works)
+                cur = nxt
+        peak = _finite(peak, 0.0)
+        norm = torch.where(total > 0, total, torch.full_like(total, float("inf")))
+        out = acc / norm.unsqueeze(-1)  # a query that sees nothing: 0
+        ctx.save_for_backward(q, k, v, out, peak, norm, *(() if mask is None else (mask,)))
+        ctx.spec, ctx.scale, ctx.group = spec, scale, group
+        ctx.q_runs, ctx.kv_runs = q_runs, kv_runs
+        return out.reshape(b, hq, sq, v.shape[-1]).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, peak, norm = ctx.saved_tensors[:6]
+        spec, scale = ctx.spec, ctx.scale
+        ring = _Ring(ctx.group)
+        b, hk, r, sq, dv = out.shape
+        qg = q.float().reshape(b, hk, r, sq, q.shape[-1])
+        dout = grad.float().reshape(out.shape)
+        delta = (dout * out).sum(-1)  # [B, Hk, R, sq]
+        peak, inv = peak.unsqueeze(-1), 1.0 / norm.unsqueeze(-1)  # inv 0: sees nothing
+        dq = torch.zeros_like(qg)
+        cur = _pack(k, v)
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            works: list[Any] = []
+            if step < ring.size - 1:
+                nxt, works = ring.start(cur)
+            kb, vb = (t.float() for t in _unpack(cur, (k, v)))
+            dkb, dvb = _unpack(dkv, (k, v))
+            for qr in ctx.q_runs:
+                qs = slice(qr[0], qr[1])
+                for kr in ctx.kv_runs[src]:
+                    if spec.skipped(qr, kr):
+                        continue
+                    ks = slice(kr[0], kr[1])
+                    kblk, vblk = kb[..., ks, :], vb[..., ks, :]
+                    s = _scores(qg[..., qs, :], kblk, scale, spec, qr, kr)
+                    p = torch.exp(s - peak[..., qs, :]) * inv[..., qs, :]
+                    do = dout[..., qs, :]
+                    dvb[..., ks, :] += torch.matmul(p.transpose(-1, -2), do).sum(2)
+                    dp = torch.matmul(do, vblk.unsqueeze(2).transpose(-1, -2))
+                    ds = p * (dp - delta[..., qs].unsqueeze(-1)) * scale
+                    dq[..., qs, :] += torch.matmul(ds, kblk.unsqueeze(2))
+                    dkb[..., ks, :] += torch.matmul(ds.transpose(-1, -2), qg[..., qs, :]).sum(2)
+            if ring.size > 1:  # the block's gradient follows the block to the next rank
+                dkv, dworks = ring.start(dkv)
+                _wait(works + dworks)
+                if works:
+                    cur = nxt
+        dk, dvv = _unpack(dkv, (k, v))
+        return (
+            dq.reshape(q.shape).to(q.dtype),
+            dk.to(k.dtype),
+            dvv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: Sequence[torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    group: Any = None,
+    chunks: int = 2,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries over the whole sequence, by ring exchange.
+
+    Args:
+        query: ``[B, Hq, sq, D]``, this rank's tokens.
+        key: ``[B, Hk, sq, D]`` (``Hq`` a multiple of ``Hk``; exchanged unrepeated).
+        value: ``[B, Hk, sq, Dv]``.
+        positions: ``positions[r]``: the global positions rank ``r`` of ``group`` holds, in
+            its local order (every rank holds ``sq`` tokens).
+        attention_mask: None, a ``[B, S]`` padding mask, or a 4-D ``[B, 1 or Hq, S, S]`` bool
+            (True: attend) or additive float mask over global positions.
+        causal: Apply a causal mask (with None or a ``[B, S]`` mask; a 4-D mask is complete).
+        scale: Score scale (default ``1/sqrt(D)``).
+        group: The sequence-parallel group (None: the whole job).
+        chunks: Equal chunks each rank's tokens are cut in before pairing blocks (the
+            layout's: 2 for zigzag, 1 for contiguous); finer chunks skip more masked work.
+
+    Returns:
+        ``[B, Hq, sq, Dv]`` in ``query``'s dtype (computed in fp32).
+
+    Raises:
+        ValueError: Inconsistent positions, head counts or mask.
+    """
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if len(positions) != size or any(len(p) != query.shape[2] for p in positions):
+        raise ValueError(
+            f"ring attention needs {size} position lists of {query.shape[2]} tokens each (one "
+            f"per sequence-parallel rank), got lengths {[len(p) for p in positions]}"
+        )
+    if chunks < 1 or query.shape[2] % chunks:
+        raise ValueError(
+            f"ring attention cannot cut {query.shape[2]} local tokens in {chunks} equal chunks"
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"ring attention needs query heads ({query.shape[1]}) to be a multiple of key/value "
+            f"heads ({key.shape[1]})"
+        )
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    pos = [p.to("cpu", torch.long) for p in positions]
+    return _RingAttention.apply(
+        query, key.contiguous(), value.contiguous(), attention_mask, causal, scale, group, pos,
+        chunks,
+    )
+
+
+def ring_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    group: Any = None,
+    layout: str = "zigzag",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature, over ring attention.
+
+    The global positions of every rank's tokens come from
+    :func:`colossal.shardformer.sequence.layout.token_indices` for ``layout``.
+
+    Args:
+        module: The calling attention module (its ``is_causal`` is read).
+        query: ``[B, Hq, s/P, D]``, this rank's tokens (after rotary).
+        key: ``[B, Hk, s/P, D]``.
+        value: ``[B, Hk, s/P, Dv]``.
+        attention_mask: The full-length mask the model built (see :func:`ring_attention`).
+        dropout: Attention dropout probability (must be 0).
+        scaling: Score scale (default ``1/sqrt(D)``).
+        is_causal: Overrides ``module.is_causal`` when given.
+        group: The sequence-parallel process group (None: the whole job).
+        layout: The token layout the sequence was split with.
+        **kwargs: Other model arguments; soft-capping and attention sinks are refused.
+
+    Returns:
+        ``(output [B, s/P, Hq, Dv], None)``.
+
+    Raises:
+        NotImplementedError: Attention dropout, soft-capping or attention sinks.
+    """
+    from colossal.shardformer.sequence.layout import token_indices
+
+    if dropout:
+        raise NotImplementedError(
+            f"{type(module).__name__} asks for attention dropout {dropout}, which ring attention "
+            "does not implement; set the model's attention dropout to 0 or use 'all_to_all'"
+        )
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} passes {name!r}, which ring attention does not "
+                "implement; use another sequence_parallelism_mode for this model"
+            )
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    seq_len = query.shape[2] * size
+    positions = [torch.as_tensor(token_indices(seq_len, r, size, layout)) for r in range(size)]
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = ring_attention(
+        query, key, value, positions, attention_mask, bool(causal), scaling, group,
+        chunks=2 if layout == "zigzag" else 1,
+    )
+    return out.transpose(1, 2).contiguous(), None

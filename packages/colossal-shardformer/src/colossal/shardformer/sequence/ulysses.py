@@ -1,0 +1,160 @@
+"""Ulysses (``all_to_all``) sequence-parallel attention.
+
+Each rank of the sequence-parallel group holds the query, key and value of its own tokens for
+every head. One all-to-all per tensor trades that for all tokens of ``1/P`` of the heads; the
+attention then runs locally over the whole sequence with the full-length mask the model
+built, and one more all-to-all gives every rank its own tokens back for every head. Per layer
+and rank the forward exchanges q, k, v and the output: ``4 * s * h / P`` elements with as many
+key/value heads as query heads (``(2 + 2 * Hk / Hq) * s * h / P`` with grouped-query
+attention, whose key/value heads are exchanged as they are, never repeated first); the
+backward exchanges the same amount again (each all-to-all's gradient is the reverse
+all-to-all).
+
+Layouts: when the ranks do not hold contiguous token ranges (``positions`` given), the
+gathered sequence is put back into natural order before the attention and the output is cut
+back to the gathered order after it, so masks (causal, padded, custom) need no translation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["seq_to_heads", "heads_to_seq", "ulysses_attention_forward"]
+
+logger = logging.getLogger(__name__)
+
+
+def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """One all-to-all of ``x`` (``[P, ...]``, slice ``j`` goes to rank ``j``) over ``group``."""
+    from colossal.core.comm import all_to_all
+
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    all_to_all(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    parts = x.reshape(b, size, h // size, s, d).transpose(0, 1)  # [P, B, H/P, s, D]
+    got = _exchange(parts, group)  # got[j]: rank j's tokens of this rank's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    parts = x.reshape(b, h, size, s // size, d).permute(2, 0, 1, 3, 4)  # [P, B, H/P, s/P, D]
+    got = _exchange(parts, group)  # got[j]: rank j's heads of this rank's tokens
+    return got.transpose(0, 1).reshape(b, size * h, s // size, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _seq_to_heads(x, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _heads_to_seq(grad, ctx.group, ctx.size), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _heads_to_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_to_heads(grad, ctx.group, ctx.size), None, None
+
+
+def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[B, H, s/P, D]`` (this rank's tokens, all heads) -> ``[B, H/P, s, D]`` (differentiable).
+
+    The gathered sequence is the ranks' token slices in rank order; this rank keeps the heads
+    ``[r*H/P, (r+1)*H/P)``.
+
+    Raises:
+        ValueError: ``H`` is not divisible by the group size.
+    """
+    size = dist.get_world_size(group)
+    if x.shape[1] % size:
+        raise ValueError(
+            f"Ulysses attention splits {x.shape[1]} heads over {size} sequence-parallel ranks; "
+            "use a sequence-parallel size that divides the (tensor-parallel local) head count"
+        )
+    if size == 1:
+        return x
+    return _SeqToHeads.apply(x, group, size)
+
+
+def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of :func:`seq_to_heads`: ``[B, H/P, s, D]`` -> ``[B, H, s/P, D]``."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    return _HeadsToSeq.apply(x, group, size)
+
+
+def ulysses_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    group: Any = None,
+    positions: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature, over Ulysses sequence parallelism.
+
+    Args:
+        module: The calling attention module (its ``is_causal`` is read).
+        query: ``[B, Hq, s/P, D]``, this rank's tokens (after rotary).
+        key: ``[B, Hk, s/P, D]``.
+        value: ``[B, Hk, s/P, Dv]``.
+        attention_mask: The full-length mask the model built: None (causal when the module is
+            causal), a ``[B, s]`` padding mask or a 4-D bool / additive float mask.
+        dropout: Attention dropout probability.
+        scaling: Score scale (default ``1/sqrt(D)``).
+        is_causal: Overrides ``module.is_causal`` when given.
+        group: The sequence-parallel process group (None: the whole job).
+        positions: The global positions of the gathered tokens (the ranks' tokens in rank
+            order), or None when the ranks hold contiguous ranges in rank order.
+        **kwargs: Other model arguments (passed on to the local attention).
+
+    Returns:
+        ``(output [B, s/P, Hq, Dv], None)``.
+
+    Raises:
+        ValueError: A head count not divisible by the group size.
+    """
+    from colossal.shardformer.attention import colossal_attention_forward
+
+    group = dist.group.WORLD if group is None else group
+    q = seq_to_heads(query, group)
+    k = seq_to_heads(key, group)
+    v = seq_to_heads(value, group)
+    if positions is not None:
+        natural = torch.argsort(positions).to(q.device)
+        q, k, v = (t.index_select(2, natural) for t in (q, k, v))
+    out, _ = colossal_attention_forward(
+        module, q, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+        **kwargs,
+    )  # [B, s, Hq/P, Dv]
+    out = out.transpose(1, 2)
+    if positions is not None:
+        out = out.index_select(2, positions.to(out.device))
+    out = heads_to_seq(out, group)
+    return out.transpose(1, 2).contiguous(), None

@@ -217,6 +217,7 @@ def reference_check(
     check: bool = True,
     check_updates: bool | None = None,
     update_rtol: float | None = None,
+    after_backward: Callable[[nn.Module], None] | None = None,
 ) -> CheckReport:
     """Compare a sharded model with the unsharded one built from the same seed.
 
@@ -247,6 +248,8 @@ def reference_check(
         update_rtol: Largest relative error of a total change (default ``10 * rtol``: a
             change is a difference of nearby numbers, so its relative error is larger; a
             gradient off by a factor still shows as an error near 1).
+        after_backward: Called with the sharded model after each backward (e.g.
+            ``lambda m: SequenceParallelGradSync(m)()``).
 
     Returns:
         A :class:`CheckReport` with every relative error.
@@ -292,6 +295,8 @@ def reference_check(
         loss, full = _objective(out, width, group)
         ref_loss.backward()
         loss.backward()
+        if after_backward is not None:
+            after_backward(model)
         if step == 0:
             report.output = relative_error(full.float(), ref_full.float())
             report.loss = relative_error(loss.float(), ref_loss.float())

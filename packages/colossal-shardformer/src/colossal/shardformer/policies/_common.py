@@ -78,7 +78,10 @@ class TPPolicy(Policy):
     def preprocess(self) -> nn.Module:
         """Remember the input embedding weight (to keep an LM head tied to it)."""
         assert self.model is not None
-        emb = self.model.get_input_embeddings()
+        try:
+            emb = self.model.get_input_embeddings()
+        except AttributeError:  # a pipeline stage that does not hold the embedding
+            emb = None
         self._native_embedding_weight = getattr(emb, "weight", None)
         return self.model
 
@@ -125,7 +128,9 @@ class TPPolicy(Policy):
         if root:
             policy.setdefault(type(self.model), ModulePolicyDescription())
             policy[type(self.model)].sub_module_replacement.extend(root)
-        return policy
+        from colossal.shardformer.pipeline.placeholders import skip_placeholders
+
+        return skip_placeholders(self.model, policy)  # a pipeline stage's stand-ins stay
 
     def after_lm_head(self, native: nn.Module, head: nn.Module) -> None:
         """Called once the LM head is built (re-tie other references to its parameters)."""

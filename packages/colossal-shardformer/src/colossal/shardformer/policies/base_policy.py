@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from colossal.shardformer.pipeline.plan import StagePlan
     from colossal.shardformer.shard.config import ShardConfig
 
 __all__ = [
@@ -141,6 +142,21 @@ class Policy(ABC):
     def get_shared_params(self) -> list[dict[int, torch.Tensor]]:
         """Parameters shared between pipeline stages, as ``{stage: param}`` (default: none)."""
         return []
+
+    def stage_plan(self) -> StagePlan:
+        """How pipeline parallelism cuts the model into stages (default: derived).
+
+        The default derives the plan from the model config's ``base_model_pp_plan``; families
+        without one override this with a written :class:`~colossal.shardformer.pipeline.
+        StagePlan`.
+
+        Raises:
+            ValueError: The model has no ``base_model_pp_plan`` to derive a plan from.
+        """
+        from colossal.shardformer.pipeline.plan import derive_stage_plan
+
+        assert self.model is not None
+        return derive_stage_plan(self.model)
 
     def get_held_layers(self) -> list[nn.Module]:
         """Layers this pipeline stage holds (default: the whole model)."""

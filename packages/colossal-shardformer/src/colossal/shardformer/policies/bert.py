@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, dropout_descriptions, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
 
@@ -36,6 +37,12 @@ class BertPolicy(TPPolicy):
     def embedding_suffix(self) -> str | None:
         """The word embedding."""
         return "embeddings.word_embeddings"
+
+    def stage_plan(self) -> StagePlan:
+        """``embeddings`` on the first stage, ``encoder.layer`` split, ``pooler`` on the last."""
+        return StagePlan(
+            layers="encoder.layer", first={"embeddings": "input"}, last={"pooler": "identity"}
+        )
 
     def layer_policy(self) -> PolicyMap:
         """Self/cross attention, attention output, intermediate and output of every layer."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, dropout_descriptions, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
 
@@ -85,6 +86,14 @@ class BloomPolicy(TPPolicy):
     def embedding_suffix(self) -> str | None:
         """The word embedding."""
         return "word_embeddings"
+
+    def stage_plan(self) -> StagePlan:
+        """Embedding and its norm first, ``h`` split, ``ln_f`` last (ALiBi on every stage)."""
+        return StagePlan(
+            layers="h",
+            first={"word_embeddings": "input", "word_embeddings_layernorm": "identity"},
+            last={"ln_f": "identity"},
+        )
 
     def layer_policy(self) -> PolicyMap:
         """Attention and MLP of every block."""

@@ -9,6 +9,7 @@ tied to it, a vocab-parallel LM head; classification heads stay replicated.
 
 from __future__ import annotations
 
+from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, dropout_descriptions
 from colossal.shardformer.policies.base_policy import (
     ModulePolicyDescription,
@@ -36,6 +37,14 @@ class GPT2Policy(TPPolicy):
     def embedding_suffix(self) -> str | None:
         """The word embedding."""
         return "wte"
+
+    def stage_plan(self) -> StagePlan:
+        """``wte``/``wpe``/``drop`` on the first stage, ``h`` split, ``ln_f`` on the last."""
+        return StagePlan(
+            layers="h",
+            first={"wte": "input", "wpe": "zero", "drop": "identity"},
+            last={"ln_f": "identity"},
+        )
 
     def layer_policy(self) -> PolicyMap:
         """Attention and MLP of every block, plus the embedding dropout."""

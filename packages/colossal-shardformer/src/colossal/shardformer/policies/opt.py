@@ -10,6 +10,7 @@ head stay replicated.
 
 from __future__ import annotations
 
+from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
 
@@ -27,6 +28,18 @@ class OPTPolicy(TPPolicy):
     def embedding_suffix(self) -> str | None:
         """The word embedding."""
         return "decoder.embed_tokens"
+
+    def stage_plan(self) -> StagePlan:
+        """Embeddings and ``project_in`` first, ``decoder.layers`` split, norm/out last."""
+        return StagePlan(
+            layers="decoder.layers",
+            first={
+                "decoder.embed_tokens": "input",
+                "decoder.embed_positions": "zero",
+                "decoder.project_in": "identity",
+            },
+            last={"decoder.final_layer_norm": "identity", "decoder.project_out": "identity"},
+        )
 
     def layer_policy(self) -> PolicyMap:
         """Attention and MLP of every decoder layer."""

@@ -200,10 +200,13 @@ class TPPlanPolicy(Policy):
         plan = model_tp_plan(model)
         modules = dict(model.named_modules())
         entries: dict[str, tuple[str, str]] = {}  # module path -> (plan key, style)
+        from colossal.shardformer.pipeline.placeholders import is_placeholder
+
         for key, style in plan.items():
             pattern = _pattern(key)
             for path in modules:
-                if pattern.match(path):
+                # a pipeline stage's stand-in for another stage's module stays as it is
+                if pattern.match(path) and not is_placeholder(modules[path]):
                     entries[path] = (key, style)
         embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         if isinstance(embeddings, nn.Embedding):

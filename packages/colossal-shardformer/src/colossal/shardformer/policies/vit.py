@@ -11,6 +11,7 @@ pooler and the image-classification head stay replicated.
 
 from __future__ import annotations
 
+from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, dropout_descriptions, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
 
@@ -24,6 +25,20 @@ class ViTPolicy(TPPolicy):
         """The head count must divide by the tensor-parallel size."""
         assert self.model is not None
         self.divide(self.model.config.num_attention_heads, "num_attention_heads")
+
+    def stage_plan(self) -> StagePlan:
+        """``embeddings`` first, ``layers`` split, ``layernorm``/``pooler`` last.
+
+        Later stages receive the hidden state as ``pixel_values`` (the forward requires it
+        and reads the patch projection's dtype, which a zero-size probe provides).
+        """
+        return StagePlan(
+            layers="layers",
+            first={"embeddings": "input"},
+            last={"layernorm": "identity", "pooler": "identity"},
+            feed="pixel_values",
+            dtype_probes={"embeddings": "patch_embeddings.projection.weight"},
+        )
 
     def layer_policy(self) -> PolicyMap:
         """Attention and MLP of every layer, plus the replicated dropouts."""

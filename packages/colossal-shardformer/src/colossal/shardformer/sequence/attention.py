@@ -135,5 +135,9 @@ def install_sequence_attention(model: nn.Module, config: Any) -> None:
     set_attention_implementation(model, name)
     logger.info(
         "%s: %s attention over %d sequence-parallel ranks (%s layout) as %r",
-        type(model).__name__, mode, size, layout, name,
+        type(model).__name__,
+        mode,
+        size,
+        layout,
+        name,
     )

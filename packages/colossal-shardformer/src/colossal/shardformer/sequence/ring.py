@@ -327,7 +327,14 @@ def ring_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     pos = [p.to("cpu", torch.long) for p in positions]
     return _RingAttention.apply(
-        query, key.contiguous(), value.contiguous(), attention_mask, causal, scale, group, pos,
+        query,
+        key.contiguous(),
+        value.contiguous(),
+        attention_mask,
+        causal,
+        scale,
+        group,
+        pos,
         chunks,
     )
 
@@ -389,7 +396,14 @@ def ring_attention_forward(
     positions = [torch.as_tensor(token_indices(seq_len, r, size, layout)) for r in range(size)]
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = ring_attention(
-        query, key, value, positions, attention_mask, bool(causal), scaling, group,
+        query,
+        key,
+        value,
+        positions,
+        attention_mask,
+        bool(causal),
+        scaling,
+        group,
         chunks=2 if layout == "zigzag" else 1,
     )
     return out.transpose(1, 2).contiguous(), None

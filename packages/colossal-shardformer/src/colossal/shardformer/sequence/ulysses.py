@@ -146,11 +146,23 @@ def ulysses_attention_forward(
     q = seq_to_heads(query, group)
     k = seq_to_heads(key, group)
     v = seq_to_heads(value, group)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is not None and attention_mask.dim() == 2 and not causal:
+        # A key padding mask, as SDPA applies it (the kernels' padded kind would also zero
+        # the padded queries' outputs).
+        attention_mask = attention_mask.bool()[:, None, None, :]
     if positions is not None:
         natural = torch.argsort(positions).to(q.device)
         q, k, v = (t.index_select(2, natural) for t in (q, k, v))
     out, _ = colossal_attention_forward(
-        module, q, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+        module,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=causal,
         **kwargs,
     )  # [B, s, Hq/P, Dv]
     out = out.transpose(1, 2)

@@ -1,0 +1,158 @@
+"""Ring attention (``ring_attn``): each rank's slice against full single-process attention.
+
+The direct case gives every rank its layout's slice of one q/k/v (zigzag unless noted) and
+compares the ring's output and the q/k/v gradients with SDPA over the whole sequence, for:
+causal; causal with a left-padded batch (queries that see nothing); non-causal (BERT/ViT)
+with padding; 4-D bool and additive float masks; grouped-query attention (key/value heads
+exchanged unrepeated); the contiguous layout. World 2 and world 4 (4: a block's gradient
+passes through ranks that are neither its owner nor the first to touch it).
+
+What each check catches: a block merged with the wrong log-sum-exp (wrong outputs); a key
+block paired with the wrong positions (wrong causal/padding cut: wrong outputs); a block
+skipped that is not fully masked, or a fully masked one computed (the per-rank block count,
+which is also the zigzag's load balance); dK/dV not carried back to the block's owner, or
+carried one hop short (wrong k/v gradients, world 4 especially); NaN from fully masked rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F  # noqa: N812
+
+from colossal.core.testing import distributed_test, relative_error
+
+RTOL = 1e-5
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: bool
+) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if mask.dim() == 2:
+        keep = mask.bool()[:, None, None, :]
+        if causal:
+            s = q.shape[2]
+            keep = keep & torch.ones(s, s, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _case(
+    rank: int, size: int, name: str, mask: Any, causal: bool, hk: int = 4, layout: str = "zigzag"
+) -> int:
+    """One comparison; returns how many blocks this rank computed in the forward."""
+    from colossal.shardformer.sequence import ring
+    from colossal.shardformer.sequence.layout import token_indices
+
+    b, hq, s, d = 2, 4, 16, 8
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen) for h in (hq, hk, hk))
+    w = torch.randn(b, hq, s, d, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*full, mask, causal)
+    (ref * w).sum().backward()
+
+    positions = [token_indices(s, r, size, layout) for r in range(size)]
+    mine = positions[rank]
+    local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    calls = []
+    original = ring._scores
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)
+
+    ring._scores = counting
+    try:
+        chunks = 2 if layout == "zigzag" else 1
+        out = ring.ring_attention(*local, positions, mask, causal, chunks=chunks)
+        forward_blocks = len(calls)
+        (out * w[:, :, mine]).sum().backward()
+    finally:
+        ring._scores = original
+    errors = {"out": relative_error(out, ref[:, :, mine])}
+    for label, got, want in zip("qkv", local, full, strict=True):
+        errors[f"d{label}"] = relative_error(got.grad, want.grad[:, :, mine])
+    assert torch.isfinite(out).all(), name
+    bad = {k: e for k, e in errors.items() if not e <= RTOL}
+    assert not bad, f"{name} (rank {rank}/{size}): {bad}"
+    return forward_blocks
+
+
+def _masks(s: int = 16) -> dict[str, Any]:
+    pad = torch.ones(2, s, dtype=torch.long)
+    pad[1, :5] = 0  # left padding: queries 0..4 of row 1 see no key under the causal mask
+    custom = torch.ones(s, s, dtype=torch.bool).tril()
+    custom[:, 3] = False
+    custom[3, 3] = True
+    float4 = torch.zeros(2, 1, s, s).masked_fill(~custom, -1e9)
+    custom[6, :] = False  # a row that sees nothing at all (bool only: in fp32 a row of
+    # -1e9 + score is uniform, and its gradient is lost to rounding in any implementation)
+    bool4 = custom.expand(2, 1, s, s).clone()
+    return {"pad": pad, "bool4": bool4, "float4": float4}
+
+
+@distributed_test(2, 4)
+def test_ring_attention_matches_full_attention(rank: int, world_size: int) -> None:
+    """Outputs and q/k/v gradients equal SDPA over the whole sequence; causal blocks skipped."""
+    m = _masks()
+    blocks = _case(rank, world_size, "causal", None, True)
+    # Zigzag: 2 query runs x 2 key runs x P blocks, of which every rank skips the same number
+    # (its chunks r and 2P-1-r see 2P+1 of the 4P chunk pairs): balanced, no masked work.
+    assert blocks == 2 * world_size + 1, blocks
+    _case(rank, world_size, "causal+padding", m["pad"], True)
+    _case(rank, world_size, "padding, not causal", m["pad"], False)
+    _case(rank, world_size, "not causal", None, False)
+    _case(rank, world_size, "4-D bool", m["bool4"], True)
+    _case(rank, world_size, "4-D float", m["float4"], True)
+    _case(rank, world_size, "GQA causal+padding", m["pad"], True, hk=2)
+    _case(rank, world_size, "GQA MQA", None, True, hk=1)
+    contiguous = _case(rank, world_size, "contiguous", m["pad"], True, layout="contiguous")
+    assert contiguous == rank + 1  # contiguous ranks: only earlier blocks are computed
+
+
+@distributed_test(2)
+def test_ring_attention_comm(rank: int, world_size: int) -> None:
+    """The key/value block hops P-1 times forward; backward adds P hops of its gradient."""
+    from colossal.core import CommTracker
+    from colossal.shardformer.sequence.layout import token_indices
+    from colossal.shardformer.sequence.ring import ring_attention
+
+    b, h, s, d = 1, 2, 8, 4
+    q, k, v = (torch.randn(b, h, s // world_size, d, requires_grad=True) for _ in range(3))
+    positions = [token_indices(s, r, world_size, "zigzag") for r in range(world_size)]
+    kv_bytes = 2 * k.numel() * 4
+    with CommTracker() as fwd:
+        out = ring_attention(q, k, v, positions)
+    with CommTracker() as bwd:
+        out.sum().backward()
+    assert fwd.calls("send") == world_size - 1
+    assert fwd.bytes("send") == (world_size - 1) * kv_bytes
+    assert bwd.calls("send") == 2 * world_size - 1
+    assert bwd.bytes("send") == (world_size - 1) * kv_bytes + world_size * kv_bytes
+
+
+def test_ring_attention_refuses_bad_inputs() -> None:
+    """Wrong position lists and dropout are refused with the values named."""
+    import torch.distributed as dist
+
+    from colossal.shardformer.sequence.ring import ring_attention, ring_attention_forward
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    q = torch.randn(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="position lists"):
+        ring_attention(q, q, q, [torch.arange(3)])
+    with pytest.raises(ValueError, match="multiple"):
+        ring_attention(torch.randn(1, 3, 4, 4), q, q, [torch.arange(4)])
+    with pytest.raises(ValueError, match="equal chunks"):
+        ring_attention(q, q, q, [torch.arange(4)], chunks=3)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ring_attention_forward(module, q, q, q, None, dropout=0.1)

@@ -364,14 +364,32 @@ def test_layer_without_transformers_mechanism() -> None:
 # ------------------------------------------------------------------------------ TP = 2
 
 
+def _one_f_one_b(
+    model: nn.Module, batches: list[dict[str, torch.Tensor]], seed: int, counter: Any = None
+) -> list[dict[str, torch.Tensor]]:
+    """Gradients accumulated over 3 microbatches run in 1F1B order: F0 F1 B0 F2 B1 B2."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    losses: dict[int, torch.Tensor] = {}
+    for kind, i in (("f", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 1), ("b", 2)):
+        if counter is not None:
+            counter.phase = "forward" if kind == "f" else "backward"
+        if kind == "f":
+            losses[i] = model(**batches[i]).loss
+        else:
+            losses.pop(i).backward()
+    return [{n: p.grad.clone() for n, p in model.named_parameters()}]
+
+
 @distributed_test(2)
 def test_tensor_parallel_seeded_dropout(rank: int, world_size: int) -> None:
-    """GPT-2 with TP 2 and dropout 0.1 (seeded per-rank dropouts inside the layers): the
-    checkpointed model's local gradients equal the non-checkpointed sharded model's over two
-    steps, so the recompute replays the private generators and puts them back."""
+    """GPT-2 with TP 2 and dropout 0.1 (seeded dropouts with private generators inside the
+    layers), 3 microbatches in 1F1B order: the checkpointed model's local gradients equal the
+    non-checkpointed sharded model's. Catches generators not replayed in the recompute (B0's
+    masks differ) and not put back after it (F2 would draw F1's masks again)."""
     from colossal.shardformer.layer.dropout import DropoutForParallelInput
 
-    batch = _batch()
+    batches = [_batch() for _ in range(3)]
     models = []
     for ckpt in (None, PipelineGradientCheckpointConfig(num_ckpt_layers_per_stage=[2])):
         torch.manual_seed(0)
@@ -383,7 +401,7 @@ def test_tensor_parallel_seeded_dropout(rank: int, world_size: int) -> None:
     ref, model = models
     assert any(isinstance(m, DropoutForParallelInput) for m in model.transformer.h[0].modules())
     counter = _Counter(_layers(model))
-    got = _run(model, batch, seed=21, counter=counter)
-    want = _run(ref, batch, seed=21)
-    assert counter.calls == {"forward": [2, 2, 2], "backward": [2, 2, 0]}
+    got = _one_f_one_b(model, batches, seed=21, counter=counter)
+    want = _one_f_one_b(ref, batches, seed=21)
+    assert counter.calls == {"forward": [3, 3, 3], "backward": [3, 3, 0]}
     _assert_equal_grads(got, want, rtol=DROPOUT_RTOL)

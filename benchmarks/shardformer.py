@@ -79,6 +79,8 @@ import warnings
 from typing import Any
 
 import torch
+from _shardformer_sp import SP_FULL, SP_FULL_SEARCH, SP_QUICK, SP_QUICK_SEARCH, span
+from _shardformer_sp import run_section as sp_section
 from bench_common import goal, machine, markdown_table, write_json
 from torch import nn
 
@@ -265,19 +267,6 @@ class Trainer:
 # the measurement
 
 
-def _span(fn) -> tuple[float, float]:
-    """Wall time of ``fn()`` (first rank's start to last rank's end), CPU time of all ranks."""
-    from colossal.core.comm import all_gather_object, barrier
-
-    barrier()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    fn()
-    t1 = time.perf_counter()
-    spans = all_gather_object((t0, t1, time.process_time() - c0))
-    return max(e for _, e, _ in spans) - min(s for s, _, _ in spans), sum(c for *_, c in spans)
-
-
 def _comm(trainer: Trainer) -> dict[str, Any]:
     """Collectives of one step: CommTracker for ours, CommDebugMode for the DTensor peer."""
     from colossal.core import CommTracker
@@ -334,7 +323,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[st
         t.phases.clear()
     for r in range(args.rounds):
         for t in trainers if r % 2 == 0 else trainers[::-1]:
-            wall, cpu_s = _span(t.step)
+            wall, cpu_s = span(t.step)
             times[t.name].append(wall)
             cpu[t.name].append(cpu_s)
     profiles = {t.name: _profile(t, args.profile) for t in trainers} if args.profile else {}
@@ -365,28 +354,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[st
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model (under two minutes)")
-    parser.add_argument("--json", help="write results as JSON to this path")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per config")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="print the top N ops (self CPU time) of one extra step per config on rank 0",
-    )
-    args = parser.parse_args()
-    args.size = QUICK if args.quick else FULL
-    args.rounds = args.rounds or (3 if args.quick else 9)
-    if args.rounds < 3 or args.warmup < 1:
-        raise ValueError(
-            f"--rounds must be >= 3 and --warmup >= 1, got {args.rounds}, {args.warmup}"
-        )
-
+def tp_section(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the tensor-parallel section (prints its tables); returns (rows, goals)."""
     start = time.time()
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build_model(args.size).parameters())
@@ -463,13 +432,70 @@ def main() -> None:
         )
     print(markdown_table(table, list(table[0])))
     print(f"\nMegatron formula: {calls} all-reduces, {formula} bytes per step\n")
-    print("| goal | value | target | met |\n|---|---:|---|---|")
-    for g in goals:
-        print(f"| {g['name']} | {g['value']} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
     for r in rows:
         if "_profile" in r:
             print(f"\nprofile of one step, world {r['world']}, {r['config']} (rank 0):")
             print(r.pop("_profile"))
+    for r in rows:
+        r["section"] = "tp"
+    return rows, goals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models (under two minutes)")
+    parser.add_argument("--json", help="write results as JSON to this path")
+    parser.add_argument(
+        "--sections", nargs="+", choices=["tp", "sp"], default=["tp", "sp"], help="what to run"
+    )
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="TP sizes")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per config")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the top N ops (self CPU time) of one extra step per TP config on rank 0",
+    )
+    parser.add_argument("--sp-world", type=int, default=4, help="SP group size (one run)")
+    parser.add_argument("--sp-seq", type=int, default=None, help="SP timed sequence length")
+    parser.add_argument(
+        "--sp-memory-mb",
+        type=int,
+        default=None,
+        help="per-rank peak-RSS budget of the longest-sequence search (0: skip the search)",
+    )
+    parser.add_argument("--sp-max-seq", type=int, default=None, help="search cap")
+    parser.add_argument("--sp-seq-grain", type=int, default=None, help="search step")
+    args = parser.parse_args()
+    args.size = QUICK if args.quick else FULL
+    args.rounds = args.rounds or (3 if args.quick else 9)
+    if args.rounds < 3 or args.warmup < 1:
+        raise ValueError(
+            f"--rounds must be >= 3 and --warmup >= 1, got {args.rounds}, {args.warmup}"
+        )
+    sp_defaults = SP_QUICK_SEARCH if args.quick else SP_FULL_SEARCH
+    args.sp_size = dict(SP_QUICK if args.quick else SP_FULL)
+    if args.sp_seq:
+        args.sp_size["seq"] = args.sp_seq
+    for key, value in sp_defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    rows: list[dict[str, Any]] = []
+    goals: list[dict[str, Any]] = []
+    if "tp" in args.sections:
+        tp_rows, tp_goals = tp_section(args)
+        rows, goals = rows + tp_rows, goals + tp_goals
+    if "sp" in args.sections:
+        start = time.time()
+        sp_rows, sp_goals, text = sp_section(args)
+        rows, goals = rows + sp_rows, goals + sp_goals
+        print(text + f"\n\n(sequence-parallel section: {time.time() - start:.0f} s)")
+    print("\n| goal | value | target | met |\n|---|---:|---|---|")
+    for g in goals:
+        print(f"| {g['name']} | {g['value']} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
     info = machine()
     print(f"\nmachine: {info}")
     write_json(args.json, "shardformer", rows, goals)

@@ -381,8 +381,7 @@ def _one_f_one_b(
     return [{n: p.grad.clone() for n, p in model.named_parameters()}]
 
 
-@distributed_test(2)
-def test_tensor_parallel_seeded_dropout(rank: int, world_size: int) -> None:
+def _tensor_parallel_seeded_dropout() -> None:
     """GPT-2 with TP 2 and dropout 0.1 (seeded dropouts with private generators inside the
     layers), 3 microbatches in 1F1B order: the checkpointed model's local gradients equal the
     non-checkpointed sharded model's. Catches generators not replayed in the recompute (B0's
@@ -405,3 +404,55 @@ def test_tensor_parallel_seeded_dropout(rank: int, world_size: int) -> None:
     want = _one_f_one_b(ref, batches, seed=21)
     assert counter.calls == {"forward": [3, 3, 3], "backward": [3, 3, 0]}
     _assert_equal_grads(got, want, rtol=DROPOUT_RTOL)
+
+
+def _pipeline_1f1b(world_size: int) -> None:
+    """PP 2 with colossal-pipeline's 1F1B (2 microbatches, 2 steps), 4 layers, 2 per stage,
+    ``num_ckpt_layers_per_stage=[1, 2]``: stage 0 recomputes its first layer only, stage 1
+    both; the held gradients equal the same pipeline without checkpointing (GPT-2 with dropout
+    0.1: the global RNG is replayed across the interleaved microbatches). Catches a count
+    looked up for the wrong stage, the last held layers recomputed instead of the first."""
+    from _models import causal_lm_batch
+
+    from colossal.core import ProcessGroupMesh
+    from colossal.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager
+
+    mesh = ProcessGroupMesh(world_size, axis_names=("pp",))
+    batch = causal_lm_batch(VOCAB, batch_size=4, seq_len=8, pad=False)
+    ckpt = PipelineGradientCheckpointConfig(
+        num_ckpt_layers_per_stage=[1, 2], num_stages=2, num_model_chunks=1, num_model_layers=4
+    )
+    for family, dropout in (("llama", 0.0), ("gpt2", 0.1)):
+        runs = []
+        for config_ckpt in (None, ckpt):
+            torch.manual_seed(0)
+            model = _llama(4) if family == "llama" else _gpt2(4, dropout=dropout)
+            sm = PipelineStageManager(mesh, "pp")
+            config = ShardConfig(
+                pipeline_stage_manager=sm,
+                enable_tensor_parallelism=False,
+                gradient_checkpoint_config=config_ckpt,
+            )
+            chunk, shared = ShardFormer(config).optimize(model)
+            chunk.train()
+            counter = _Counter(_layers(chunk))
+            schedule = OneForwardOneBackwardSchedule(sm, num_microbatches=2, shared_params=shared)
+            grads = []
+            for step in range(2):
+                chunk.zero_grad(set_to_none=True)
+                torch.manual_seed(31 + step)
+                schedule.forward_backward_step(chunk, iter([batch]), criterion=lambda o, mb: o.loss)
+                grads.append({n: p.grad.clone() for n, p in chunk.named_parameters()})
+            runs.append((grads, counter.calls["forward"]))
+        (want, plain_calls), (got, calls) = runs
+        assert plain_calls == [4, 4], (family, plain_calls)  # 2 microbatches x 2 steps
+        expected = [8, 4] if sm.stage == 0 else [8, 8]  # + the recomputes
+        assert calls == expected, (family, sm.stage, calls)
+        _assert_equal_grads(got, want, rtol=DROPOUT_RTOL if dropout else 0.0)
+
+
+@distributed_test(2)
+def test_tensor_parallel_and_pipeline(rank: int, world_size: int) -> None:
+    """One spawn (CI budget): TP 2 with seeded dropouts, then PP 2 with 1F1B."""
+    _tensor_parallel_seeded_dropout()
+    _pipeline_1f1b(world_size)

@@ -98,8 +98,7 @@ def _masks(s: int = 16) -> dict[str, Any]:
     return {"pad": pad, "bool4": bool4, "float4": float4}
 
 
-@distributed_test(2, 4)
-def test_ring_attention_matches_full_attention(rank: int, world_size: int) -> None:
+def _direct(rank: int, world_size: int) -> None:
     """Outputs and q/k/v gradients equal SDPA over the whole sequence; causal blocks skipped."""
     m = _masks()
     blocks = _case(rank, world_size, "causal", None, True)
@@ -117,8 +116,7 @@ def test_ring_attention_matches_full_attention(rank: int, world_size: int) -> No
     assert contiguous == rank + 1  # contiguous ranks: only earlier blocks are computed
 
 
-@distributed_test(2)
-def test_ring_attention_comm(rank: int, world_size: int) -> None:
+def _comm(rank: int, world_size: int) -> None:
     """The key/value block hops P-1 times forward; backward adds P hops of its gradient."""
     from colossal.core import CommTracker
     from colossal.shardformer.sequence.layout import token_indices
@@ -138,21 +136,84 @@ def test_ring_attention_comm(rank: int, world_size: int) -> None:
     assert bwd.bytes("send") == (world_size - 1) * kv_bytes + world_size * kv_bytes
 
 
-def test_ring_attention_refuses_bad_inputs() -> None:
-    """Wrong position lists and dropout are refused with the values named."""
-    import torch.distributed as dist
-
+def _refusals() -> None:
+    """Wrong position lists, head counts, chunks and dropout are refused naming the values."""
     from colossal.shardformer.sequence.ring import ring_attention, ring_attention_forward
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    size = torch.distributed.get_world_size()
     q = torch.randn(1, 2, 4, 4)
+    pos = [torch.arange(4)] * size
     with pytest.raises(ValueError, match="position lists"):
-        ring_attention(q, q, q, [torch.arange(3)])
+        ring_attention(q, q, q, [torch.arange(3)] * size)
     with pytest.raises(ValueError, match="multiple"):
-        ring_attention(torch.randn(1, 3, 4, 4), q, q, [torch.arange(4)])
+        ring_attention(torch.randn(1, 3, 4, 4), q, q, pos)
     with pytest.raises(ValueError, match="equal chunks"):
-        ring_attention(q, q, q, [torch.arange(4)], chunks=3)
-    module = torch.nn.Module()
+        ring_attention(q, q, q, pos, chunks=3)
     with pytest.raises(NotImplementedError, match="dropout"):
-        ring_attention_forward(module, q, q, q, None, dropout=0.1)
+        ring_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+def _families(rank: int, world_size: int) -> None:
+    """Every supporting family with ring attention at SP 2 equals the unsharded model.
+
+    Catches: a layer seeing other tokens' rotary/positions, or the zigzag split and the
+    attention's positions disagreeing (wrong logits); the padded mask cut for the wrong
+    block (padded rows); BERT's bidirectional 4-D mask treated as causal; a stack
+    parameter's gradient not summed over the group. Refused: Bloom (ALiBi), and ViT's 10
+    tokens (patches + [CLS] is never a multiple of 2P = 4: a ValueError naming the length,
+    never a silent wrong split).
+    """
+    import _sp_attention_cases as c
+
+    from colossal.shardformer import ShardConfig, ShardFormer
+
+    kw = c.sp_kwargs("ring_attn")
+    padded, causal = c.batch(pad=True), c.batch(pad=False)
+    c.check_family(c.derived("tiny_llama_config"), padded, "Llama (GQA, padded)", kw)
+    c.check_family(c.derived("tiny_llama_config"), causal, "Llama (causal)", kw, steps=0)
+    mqa = c.derived("tiny_llama_config", num_key_value_heads=1)
+    c.check_family(mqa, padded, "Llama (1 key/value head)", kw, steps=0)
+    qwen = c.derived("tiny_qwen2_config", "Qwen2ForCausalLM")
+    c.check_family(qwen, padded, "Qwen2 (tied, padded)", kw)
+    c.check_family(c.gpt2(), padded, "GPT-2 (padded)", kw)
+    c.check_family(c.bert(), c.mlm(padded), "BERT MLM (padded)", kw)
+    c.check_family(c.opt(), padded, "OPT (padded)", kw)
+    c.sync_matters(
+        c.derived("tiny_llama_config"), padded, kw, "model.layers.0.input_layernorm.weight"
+    )
+
+    with pytest.raises(ValueError, match="Bloom.*split_gather"):
+        ShardFormer(ShardConfig(**kw)).optimize(c.bloom()())
+    model, _ = ShardFormer(ShardConfig(**kw)).optimize(c.vit()())
+    with pytest.raises(ValueError, match="sequence length 10 is not divisible by 4.*pad"):
+        model(**c.pixels())
+
+
+@distributed_test(2)
+def test_ring(rank: int, world_size: int) -> None:
+    """SP 2: the ring alone (masks, GQA, layouts, skipped blocks), comm, every family."""
+    _direct(rank, world_size)
+    _comm(rank, world_size)
+    _refusals()
+    _families(rank, world_size)
+
+
+@distributed_test(4)
+def test_attention_modes_world4(rank: int, world_size: int) -> None:
+    """Ring at SP 4 alone, and TP 2 x SP 2 (Llama) for both ``all_to_all`` and ``ring_attn``.
+
+    Catches: a block's gradient not carried all the way back (SP 4: it passes ranks that
+    neither own nor first touched it); head checks or splits using global instead of
+    TP-local head counts (4 query / 2 key-value heads per TP rank, split again by Ulysses);
+    the grad sync summing over the wrong group (TP shards mixed: wrong gradients).
+    """
+    import _sp_attention_cases as c
+
+    from colossal.core import ProcessGroupMesh
+
+    _direct(rank, world_size)
+    mesh = ProcessGroupMesh(2, 2, axis_names=("sp", "tp"))
+    sp, tp = mesh.get_group_along_axis("sp"), mesh.get_group_along_axis("tp")
+    for mode in ("all_to_all", "ring_attn"):
+        kw = c.sp_kwargs(mode, sp, tp)
+        c.check_family(c.derived("tiny_llama_config"), c.batch(), f"Llama TP2xSP2 {mode}", kw)

@@ -104,8 +104,7 @@ def _masks(s: int = 16) -> dict[str, Any]:
     return {"pad": pad, "bool4": custom.expand(2, 1, s, s).clone()}
 
 
-@distributed_test(2)
-def test_ulysses_attention_matches_full_attention(rank: int, world_size: int) -> None:
+def _direct(rank: int, world_size: int) -> None:
     """Outputs and q/k/v gradients equal SDPA over the whole sequence; exact exchange volume."""
     m = _masks()
     _case(rank, world_size, "causal", None, True)
@@ -118,3 +117,95 @@ def test_ulysses_attention_matches_full_attention(rank: int, world_size: int) ->
 
     with pytest.raises(ValueError, match="3 heads over 2"):
         seq_to_heads(torch.randn(1, 3, 4, 2), None)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _families(rank: int, world_size: int) -> None:
+    """Every supporting family at SP 2 (no TP): logits, loss, gradients, a step equal unsharded.
+
+    Catches: a layer seeing the wrong tokens' rotary/positions (Llama, Qwen2: wrong logits);
+    a mask not applied over the gathered sequence (padded rows: wrong logits); a stack
+    parameter's gradient not summed over the group (and ``sync_matters``: without the sync
+    it is visibly partial); Bloom and a key/value head count SP does not divide refused.
+    """
+    import _sp_attention_cases as c
+
+    from colossal.shardformer import ShardConfig, ShardFormer
+
+    kw = c.sp_kwargs("all_to_all")
+    padded, causal = c.batch(pad=True), c.batch(pad=False)
+    c.check_family(c.derived("tiny_llama_config"), padded, "Llama (GQA, padded)", kw)
+    c.check_family(c.derived("tiny_llama_config"), causal, "Llama (causal)", kw, steps=0)
+    qwen = c.derived("tiny_qwen2_config", "Qwen2ForCausalLM")
+    c.check_family(qwen, padded, "Qwen2 (tied, padded)", kw)
+    c.check_family(c.gpt2(), padded, "GPT-2 (padded)", kw)
+    c.check_family(c.bert(), c.mlm(padded), "BERT MLM (padded)", kw)
+    c.check_family(c.vit(), c.pixels(), "ViT (10 tokens)", kw)
+    c.check_family(c.opt(), padded, "OPT (padded)", kw)
+    c.sync_matters(c.gpt2(), padded, kw, "transformer.h.0.ln_1.weight")
+
+    with pytest.raises(ValueError, match="Bloom.*split_gather"):
+        ShardFormer(ShardConfig(**kw)).optimize(c.bloom()())
+    mqa = c.derived("tiny_llama_config", num_key_value_heads=1)()
+    with pytest.raises(ValueError, match="8 query and 1 key/value heads.*ring_attn"):
+        ShardFormer(ShardConfig(**kw)).optimize(mqa)
+    model, _ = ShardFormer(ShardConfig(**kw)).optimize(c.gpt2()())
+    with pytest.raises(ValueError, match="sequence length 7 is not divisible by 2.*pad"):
+        model(**c.batch(seq_len=7))
+
+
+def _tracked(layers: int, heads: int, kv: int, ids: torch.Tensor) -> tuple[Any, Any]:
+    from _models import tiny_llama_config
+    from transformers import LlamaModel
+
+    from colossal.core import CommTracker
+    from colossal.shardformer import ShardConfig, ShardFormer
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(layers, num_attention_heads=heads, num_key_value_heads=kv)
+    kw = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all",
+          "enable_tensor_parallelism": False}  # fmt: skip
+    model, _ = ShardFormer(ShardConfig(**kw)).optimize(LlamaModel(config).eval())
+    with CommTracker() as fwd:
+        hidden = model(input_ids=ids).last_hidden_state
+    with CommTracker() as bwd:
+        hidden.sum().backward()
+    return fwd, bwd
+
+
+def _comm_volume(rank: int, world_size: int) -> None:
+    """Ulysses moves exactly 4 * s * h / P elements per layer per rank (per sequence).
+
+    Counted: the input of each ``all_to_all`` on the SP group (the tracker's logical volume;
+    the rank's own 1/P slice included), q, k, v before the attention and its output after.
+    Forward and backward each: ``4 * b * s * h / P`` elements per layer with as many
+    key/value heads as query heads, ``(2 + 2 * Hk / H) * b * s * h / P`` with grouped-query
+    attention (key/value heads exchanged unrepeated). No other collective inside the stack.
+    Catches key/value heads repeated before the exchange, an extra or missing exchange, a
+    backward that gathers instead of exchanging.
+    """
+    ids = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
+    b, s, h, layers = ids.shape[0], ids.shape[1], 64, 2
+    group = tuple(range(world_size))
+    for heads, kv in ((8, 8), (8, 4)):
+        fwd, bwd = _tracked(layers, heads, kv, ids)
+        elements = (2 + 2 * kv / heads) * b * s * h
+        per_layer = elements / world_size * 4  # fp32 bytes
+        for tracker in (fwd, bwd):
+            assert tracker.calls("all_to_all", group) == 4 * layers
+            assert tracker.bytes("all_to_all", group) == layers * per_layer
+        if kv == heads:
+            assert fwd.bytes("all_to_all", group) == layers * 4 * s * h * b // world_size * 4
+        # Outside the attention: the stack's exit all-gather forward, entry's in backward.
+        assert fwd.calls("all_reduce") == bwd.calls("all_reduce") == 0
+        assert fwd.calls("all_gather") == 1 and bwd.calls("all_gather") == 1
+
+
+@distributed_test(2)
+def test_ulysses(rank: int, world_size: int) -> None:
+    """SP 2: the attention alone, every family end to end, refusals, exact comm volume."""
+    _direct(rank, world_size)
+    _families(rank, world_size)
+    _comm_volume(rank, world_size)

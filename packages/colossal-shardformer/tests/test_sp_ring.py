@@ -153,15 +153,35 @@ def _refusals() -> None:
         ring_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
 
 
+def test_ring_layout_follows_causality() -> None:
+    """Zigzag only where it balances causal work; bidirectional models split contiguously.
+
+    Catches ViT refused by ring attention (its patches + [CLS] never split in 2P chunks)
+    and a causal model losing zigzag's load balance.
+    """
+    import _sp_attention_cases as c
+
+    from colossal.shardformer.sequence.attention import sequence_layout
+
+    for build, ring in ((c.gpt2, "zigzag"), (c.opt, "zigzag"), (c.bert, "contiguous"),
+                        (c.vit, "contiguous")):  # fmt: skip
+        model = build()()
+        assert sequence_layout(model, "ring_attn") == ring, type(model).__name__
+        assert sequence_layout(model, "all_to_all") == "contiguous"
+    with pytest.raises(ValueError, match="split_gather"):
+        sequence_layout(model, "split_gather")
+
+
 def _families(rank: int, world_size: int) -> None:
     """Every supporting family with ring attention at SP 2 equals the unsharded model.
 
     Catches: a layer seeing other tokens' rotary/positions, or the zigzag split and the
     attention's positions disagreeing (wrong logits); the padded mask cut for the wrong
     block (padded rows); BERT's bidirectional 4-D mask treated as causal; a stack
-    parameter's gradient not summed over the group. Refused: Bloom (ALiBi), and ViT's 10
-    tokens (patches + [CLS] is never a multiple of 2P = 4: a ValueError naming the length,
-    never a silent wrong split).
+    parameter's gradient not summed over the group. Bidirectional models (BERT, ViT) run
+    in the contiguous layout (ViT's 10 tokens, patches + [CLS], are never a multiple of
+    2P). Refused: Bloom (ALiBi), and a causal length the zigzag cannot split (a ValueError
+    naming the length, never a silent wrong split).
     """
     import _sp_attention_cases as c
 
@@ -182,11 +202,13 @@ def _families(rank: int, world_size: int) -> None:
         c.derived("tiny_llama_config"), padded, kw, "model.layers.0.input_layernorm.weight"
     )
 
+    c.check_family(c.vit(), c.pixels(), "ViT (10 tokens, contiguous)", kw)
+
     with pytest.raises(ValueError, match="Bloom.*split_gather"):
         ShardFormer(ShardConfig(**kw)).optimize(c.bloom()())
-    model, _ = ShardFormer(ShardConfig(**kw)).optimize(c.vit()())
-    with pytest.raises(ValueError, match="sequence length 10 is not divisible by 4.*pad"):
-        model(**c.pixels())
+    model, _ = ShardFormer(ShardConfig(**kw)).optimize(c.gpt2()())
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4.*pad"):
+        model(**c.batch(seq_len=6))
 
 
 @distributed_test(2)

@@ -52,7 +52,10 @@ def apply_sequence_parallelism(model: nn.Module, config: ShardConfig) -> None:
     mode = config.sequence_parallelism_mode
     assert mode is not None
     try:
-        from colossal.shardformer.sequence.attention import install_sequence_attention
+        from colossal.shardformer.sequence.attention import (
+            install_sequence_attention,
+            sequence_layout,
+        )
     except ModuleNotFoundError as exc:
         if exc.name != _ATTENTION_MODULE:
             raise
@@ -61,7 +64,7 @@ def apply_sequence_parallelism(model: nn.Module, config: ShardConfig) -> None:
             "installation lacks; use 'split_gather' with tensor parallelism"
         ) from exc
     install_sequence_attention(model, config)
-    layout = "zigzag" if mode == "ring_attn" else "contiguous"
+    layout = sequence_layout(model, mode)  # ring_attn: zigzag when causal, else contiguous
     state = SequenceParallelState(group=group, layout=layout, mode=mode)
     install_stack_hooks(model, layers, state, slice_kwargs=True)
     for param in layers.parameters():

@@ -24,12 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MODE_LAYOUTS", "install_sequence_attention", "local_head_counts"]
+__all__ = [
+    "MODE_LAYOUTS",
+    "install_sequence_attention",
+    "local_head_counts",
+    "sequence_layout",
+]
 
 logger = logging.getLogger(__name__)
 
 MODE_LAYOUTS = {"all_to_all": "contiguous", "ring_attn": "zigzag"}
-"""The token layout each attention sequence-parallel mode splits the sequence with."""
+"""The token layout each attention sequence-parallel mode splits a causal model's sequence
+with (see :func:`sequence_layout`)."""
 
 _REFUSED = {
     "bloom": "Bloom's ALiBi attention does not go through transformers' AttentionInterface",
@@ -52,6 +58,32 @@ def local_head_counts(model: nn.Module, tp_size: int) -> tuple[int, int]:
         )
     kv = getattr(config, "num_key_value_heads", None) or heads
     return heads // tp_size, kv // tp_size
+
+
+def _is_causal(model: nn.Module) -> bool:
+    """Whether any attention module of ``model`` is causal (``is_causal``; True if none says)."""
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    return any(flags) or not flags
+
+
+def sequence_layout(model: nn.Module, mode: str) -> str:
+    """The token layout ``model``'s sequence is split with in ``mode``.
+
+    ``"contiguous"`` for Ulysses. Ring attention: ``"zigzag"`` for causal models (every rank
+    then has the same share of unmasked blocks); ``"contiguous"`` for bidirectional ones
+    (BERT, ViT), where every block is visible, contiguous is as balanced and any length
+    divisible by the size splits (ViT's patches + [CLS] never split in 2P chunks).
+
+    Raises:
+        ValueError: ``mode`` is not an attention sequence-parallel mode.
+    """
+    if mode not in MODE_LAYOUTS:
+        raise ValueError(f"sequence_layout serves the modes {tuple(MODE_LAYOUTS)}, got {mode!r}")
+    if mode == "ring_attn" and not _is_causal(model):
+        return "contiguous"
+    return MODE_LAYOUTS[mode]
 
 
 def _check_family(model: nn.Module, mode: str) -> None:
@@ -123,7 +155,7 @@ def install_sequence_attention(model: nn.Module, config: Any) -> None:
     _check_family(model, mode)
     group = config.sequence_parallel_group
     size = dist.get_world_size(group) if dist.is_initialized() else 1
-    layout = MODE_LAYOUTS[mode]
+    layout = sequence_layout(model, mode)
     if mode == "all_to_all":
         _check_heads(model, config, size)
         fn = _ulysses(group, size, layout)
@@ -132,7 +164,14 @@ def install_sequence_attention(model: nn.Module, config: Any) -> None:
     name = f"colossal_{mode}_{next(_names)}"
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, colossal_mask)
-    set_attention_implementation(model, name)
+    try:
+        set_attention_implementation(model, name)
+    except TypeError as exc:
+        raise TypeError(
+            f"sequence_parallelism_mode={mode!r} needs {type(model).__name__}'s attention to "
+            "go through transformers' AttentionInterface, and it does not switch "
+            f"implementation ({exc}); use sequence_parallelism_mode='split_gather' for it"
+        ) from exc
     logger.info(
         "%s: %s attention over %d sequence-parallel ranks (%s layout) as %r",
         type(model).__name__,

@@ -24,7 +24,7 @@ What each check catches:
 - a sequence length the group cannot split is refused with a ValueError, never silently
   wrong.
 
-The exact communication volume is in ``test_split_gather_comm_volume``.
+The exact communication volume: :func:`_check_comm_volume`.
 """
 
 from __future__ import annotations
@@ -254,8 +254,11 @@ def _check_refuses_odd_length() -> None:
 
 
 @distributed_test(2)
-def test_split_gather_families(rank: int, world_size: int) -> None:
-    """Every family at TP = SP = 2: logits, loss, gradients, steps equal the unsharded model."""
+def test_split_gather(rank: int, world_size: int) -> None:
+    """Every family at TP = SP = 2 equals the unsharded model; grad sync; refusal; comm volume.
+
+    One spawn for all cases (CI budget): the per-process import and start-up cost dominates.
+    """
     padded, causal = _batch(pad=True), _batch(pad=False)
     _check(_gpt2(), padded, "GPT2LMHeadModel (padded)")
     _check(_gpt2(), causal, "GPT2LMHeadModel (causal)", steps=0)
@@ -276,6 +279,7 @@ def test_split_gather_families(rank: int, world_size: int) -> None:
     _check(_derived("tiny_qwen2_config", "Qwen2ForCausalLM"), padded, "Qwen2 (tied, padded)")
     _check_sync_matters()
     _check_refuses_odd_length()
+    _check_comm_volume(world_size)
 
 
 # ------------------------------------------------------------------------------ comm volume
@@ -300,8 +304,7 @@ def _tracked_step(build: Any, batch: dict[str, torch.Tensor], group_key: tuple[i
     }
 
 
-@distributed_test(2)
-def test_split_gather_comm_volume(rank: int, world_size: int) -> None:
+def _check_comm_volume(world_size: int) -> None:
     """One layer moves exactly Megatron-SP's volume on the TP group (forward + backward).
 
     Per layer per rank: an all-gather of the ``b * s * h`` activations before attention and

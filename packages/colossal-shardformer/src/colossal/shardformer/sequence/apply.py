@@ -28,8 +28,9 @@ def apply_sequence_parallelism(model: nn.Module, config: ShardConfig) -> None:
     ``"split_gather"`` / ``"ring"`` (group kind ``"tensor"``): Megatron sequence parallelism
     in the tensor-parallel group (:mod:`~colossal.shardformer.sequence.split_gather`).
     ``"all_to_all"`` / ``"ring_attn"`` (kind ``"attention"``): the sequence-parallel attention
-    implementation (``install_sequence_attention``), the stack split in the ``"contiguous"``
-    (Ulysses) or ``"zigzag"`` (ring attention) layout, the per-layer position keyword
+    implementation (``install_sequence_attention``), the stack split in the layout the
+    attention asks for (``sequence_layout``: ``"zigzag"`` for causal ring attention, else
+    ``"contiguous"``), the per-layer position keyword
     arguments sliced to this rank's tokens, and every parameter of the stack marked for
     :class:`~colossal.shardformer.sequence.grad_sync.SequenceParallelGradSync`.
 

@@ -107,6 +107,9 @@ CLEAN_TREE: dict[str, str] = {
             def run(self) -> None:
                 importlib.import_module("colossal.checkpoint_io")
     """,
+    "packages/colossal-shardformer/tests/test_pipeline_stages.py": """
+        from colossal.pipeline import PipelineStageManager
+    """,
     "packages/colossal-cli/tests/test_cli.py": """
         import pytest
         from colossal.cli import benchmark
@@ -197,6 +200,13 @@ def test_clean_tree_passes(repo: Path) -> None:
             "not-allowed",
             1,
             id="gemini-imports-zero",
+        ),
+        pytest.param(
+            "packages/colossal-shardformer/src/colossal/shardformer/bad.py",
+            "from colossal.pipeline import PipelineStageManager\n",
+            "not-allowed",
+            1,
+            id="shardformer-source-imports-pipeline",  # only its tests may
         ),
         pytest.param(
             "packages/colossal-shardformer/src/colossal/shardformer/bad.py",

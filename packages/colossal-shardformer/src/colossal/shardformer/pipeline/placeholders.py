@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PLACEHOLDER_KINDS", "StagePlaceholder", "is_placeholder", "skip_placeholders"]
+__all__ = [
+    "PLACEHOLDER_KINDS",
+    "StagePlaceholder",
+    "is_placeholder",
+    "resolve_path",
+    "skip_placeholders",
+]
 
 PLACEHOLDER_KINDS = ("absent", "identity", "input", "zero")
 """Kinds a :class:`StagePlaceholder` can be."""
@@ -106,7 +112,8 @@ def is_placeholder(module: Any) -> bool:
     return isinstance(module, StagePlaceholder)
 
 
-def _resolve(module: nn.Module, dotted: str) -> Any:
+def resolve_path(module: nn.Module, dotted: str) -> Any:
+    """``module.<dotted>``, stopping at a placeholder on the way (None when absent)."""
     current: Any = module
     for part in dotted.split(".") if dotted else []:
         current = getattr(current, part, None)
@@ -144,6 +151,6 @@ def skip_placeholders(model: nn.Module, policy: dict[Any, Any]) -> dict[Any, Any
         desc.sub_module_replacement[:] = [
             d
             for d in desc.sub_module_replacement
-            if not all(is_placeholder(_resolve(m, d.suffix)) for m in instances)
+            if not all(is_placeholder(resolve_path(m, d.suffix)) for m in instances)
         ]
     return policy

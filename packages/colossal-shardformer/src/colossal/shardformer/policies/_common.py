@@ -147,6 +147,10 @@ class TPPolicy(Policy):
             return self.model
         if self.gather_logits():
             return self.model  # full logits: the model's own loss is right
+        from colossal.shardformer.pipeline.placeholders import is_placeholder, resolve_path
+
+        if is_placeholder(resolve_path(self.model, self.lm_head)):
+            return self.model  # a pipeline stage without the head computes no loss
         if self.loss == "causal":
             from colossal.shardformer.shard.model_hooks import install_vocab_parallel_loss
 

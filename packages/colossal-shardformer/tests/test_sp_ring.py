@@ -135,6 +135,35 @@ def _comm(rank: int, world_size: int) -> None:
     assert bwd.calls("send") == 2 * world_size - 1
     assert bwd.bytes("send") == (world_size - 1) * kv_bytes + world_size * kv_bytes
 
+    # Overlap: the next block's send/receive is started before this block's attention and
+    # waited for after it (an exchange finished before computing would serialize them).
+    import colossal.core.comm as comm
+    from colossal.shardformer.sequence import ring
+
+    events: list[str] = []
+    originals = (comm.batch_isend_irecv, ring._scores, ring._wait)
+
+    def start(ops: Any) -> Any:
+        events.append("start")
+        return originals[0](ops)
+
+    def scores(*args: Any) -> torch.Tensor:
+        events.append("compute")
+        return originals[1](*args)
+
+    def wait(works: Any) -> None:
+        events.append("wait")
+        originals[2](works)
+
+    comm.batch_isend_irecv, ring._scores, ring._wait = start, scores, wait
+    try:
+        ring_attention(q, k, v, positions)
+    finally:
+        comm.batch_isend_irecv, ring._scores, ring._wait = originals
+    first = events.index("start")
+    assert events[first + 1] == "compute" and "wait" in events[first + 2 :], events
+    assert events.count("start") == events.count("wait") == world_size - 1, events
+
 
 def _refusals() -> None:
     """Wrong position lists, head counts, chunks and dropout are refused naming the values."""

@@ -98,7 +98,7 @@ _BLOOM = dict(
     vocab_size=VOCAB, hidden_size=64, n_layer=LAYERS, n_head=8, hidden_dropout=0.0,
     attention_dropout=0.0, pad_token_id=0, num_labels=NUM_LABELS,
 )  # fmt: skip
-_DECODER = dict(
+DECODER = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=64, num_hidden_layers=LAYERS,
     pad_token_id=0, num_labels=NUM_LABELS,
@@ -118,17 +118,17 @@ CASES: dict[str, PPCase] = {
         PPCase("bloom-lm", _hf("BloomForCausalLM", "BloomConfig", **_BLOOM), _lm_batch, tied=True),
         PPCase(
             "llama-lm",
-            _hf("LlamaForCausalLM", "LlamaConfig", **_DECODER, tie_word_embeddings=False),
+            _hf("LlamaForCausalLM", "LlamaConfig", **DECODER, tie_word_embeddings=False),
             _lm_batch,
         ),
         PPCase(
             "llama-seqcls",
-            _hf("Llama" + _SEQ, "LlamaConfig", **_DECODER),
+            _hf("Llama" + _SEQ, "LlamaConfig", **DECODER),
             _cls_batch,
         ),
         PPCase(
             "qwen2-lm-tied",
-            _hf("Qwen2ForCausalLM", "Qwen2Config", **_DECODER, tie_word_embeddings=True),
+            _hf("Qwen2ForCausalLM", "Qwen2Config", **DECODER, tie_word_embeddings=True),
             _lm_batch,
             tied=True,
         ),

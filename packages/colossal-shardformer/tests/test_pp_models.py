@@ -11,7 +11,7 @@ reference, hence to each other, only if their gradients are summed between the s
 
 Spawns (CI budget): one 2-rank run of every case x {1F1B, interleaved (2 chunks), ZB-V} plus
 an explicit ``num_layers_per_stage``; one 4-rank run of PP 4 with 1F1B over every case; one
-4-rank run of TP 2 x PP 2 (GPT-2, Llama, tied Qwen2, BERT masked LM).
+4-rank run of TP 2 x PP 2 (GPT-2, Llama, tied Qwen2, BERT masked LM with 1F1B; GPT-2 ZB-V).
 What they catch beyond test_pp_plan (same-process chaining): a stage output that does not
 survive the point-to-point transfer (non-tensor leaves, namedtuples), gradients not flowing
 back through the received hidden state, a tied weight whose gradient is not reported as
@@ -159,3 +159,6 @@ def test_tp2_x_pp2(rank: int, world_size: int) -> None:
     for name in ("gpt2-lm", "llama-lm", "qwen2-lm-tied", "bert-mlm"):
         sm, make = _schedules("1f1b", mesh)
         _run(CASES[name], sm, make, tp_group=tp_group)
+    # ZB-V: embedding and tied head on stage 0 in two chunks share one sharded Parameter
+    sm, make = _schedules("zbv", mesh)
+    _run(CASES["gpt2-lm"], sm, make, tp_group=tp_group)

@@ -214,3 +214,31 @@ def test_stage_forward_passes_on_what_later_stages_need() -> None:
     (last,), _ = _split(model, FakeManager(2, 1))
     with pytest.raises(TypeError, match="hidden_states"):
         last(**batch)
+
+
+def test_mixed_layer_types_split_on_the_pattern_or_refused() -> None:
+    """Qwen2 with alternating full/sliding layers: [2, 2] matches the model, [1, 3] is refused.
+
+    Its forward picks layer ``i``'s mask as ``layer_types[i]`` counted over the held layers,
+    so a stage starting at an odd layer would give sliding layers the full mask.
+    """
+    kinds = ["full_attention", "sliding_attention"] * 2
+    case = PPCase("qwen2-sliding", lambda: _qwen2_sliding(kinds), CASES["llama-lm"].batch)
+    batch = case.batch()
+    ref, model = build_pair(case)
+    ref_loss = ref(**batch).loss
+    first, _ = _split(model, FakeManager(2, 0))
+    last, _ = _split(model, FakeManager(2, 1))
+    torch.testing.assert_close(last[0](**first[0](**batch)).loss, ref_loss, rtol=1e-5, atol=0)
+    with pytest.raises(NotImplementedError, match=r"layer_types.*layers \[1, 4\)"):
+        _split(model, FakeManager(2, 1, counts=[1, 3]))
+
+
+def _qwen2_sliding(kinds: list[str]) -> nn.Module:
+    import transformers
+    from _pp_cases import DECODER
+
+    config = transformers.Qwen2Config(
+        **DECODER, layer_types=kinds, use_sliding_window=True, sliding_window=3
+    )
+    return transformers.Qwen2ForCausalLM(config)

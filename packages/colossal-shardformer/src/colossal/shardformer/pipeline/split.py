@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -78,6 +79,40 @@ def stage_layer_ranges(manager: Any, num_layers: int) -> list[tuple[int, int]]:
         )
     ranges = manager.get_stage_index(counts)
     return [ranges] if isinstance(ranges, tuple) else list(ranges)
+
+
+def check_layer_types(model: nn.Module, base: nn.Module, ranges: list[tuple[int, int]]) -> None:
+    """Refuse a split the base model's forward would give the wrong per-layer masks.
+
+    Some forwards pick each layer's mask as ``mask_mapping[config.layer_types[i]]`` with
+    ``i`` counted from 0 over the layers they hold; on a stage starting at layer ``s`` that
+    is layer ``s + i``'s type only when the types repeat with that offset.
+
+    Raises:
+        NotImplementedError: A held layer whose type differs from the one the forward would
+            use, naming the layers and how to split instead.
+    """
+    config = getattr(model, "config", None)
+    getter = getattr(config, "get_text_config", None)
+    config = getter() if callable(getter) else config
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(set(types)) <= 1:
+        return
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return
+    if "layer_types[i]" not in source:
+        return  # the forward reads each layer's own attention type
+    for start, end in ranges:
+        wrong = [start + i for i in range(end - start) if types[start + i] != types[i]]
+        if wrong:
+            raise NotImplementedError(
+                f"{type(model).__name__}: its forward picks layer masks by local index "
+                f"(config.layer_types[i]); a stage holding layers [{start}, {end}) would give "
+                f"layers {wrong} the mask of another attention type ({types}). Choose "
+                "num_layers_per_stage so every slice starts at a multiple of the type pattern"
+            )
 
 
 class SharedParameter(dict):
@@ -224,6 +259,7 @@ def split_into_stages(
             f"model's layer stack {layer_path!r}; fix the policy's stage_plan()"
         )
     ranges = stage_layer_ranges(manager, len(layers))
+    check_layer_types(model, base_model_of(model)[1], ranges)
     layout = manager.layout
     num_slices = layout.num_slices
     chunks = []

@@ -44,9 +44,10 @@ def _reference(
 
 
 def _case(
-    rank: int, size: int, name: str, mask: Any, causal: bool, hk: int = 4, layout: str = "zigzag"
-) -> int:
-    """One comparison; returns how many blocks this rank computed in the forward."""
+    rank: int, size: int, name: str, mask: Any, causal: bool, hk: int = 4,
+    layout: str = "zigzag", fused: bool = True,
+) -> tuple[int, int]:  # fmt: skip
+    """One comparison; returns how many blocks this rank computed, and how many by matmul."""
     from colossal.shardformer.sequence import ring
     from colossal.shardformer.sequence.layout import token_indices
 
@@ -61,28 +62,32 @@ def _case(
     positions = [token_indices(s, r, size, layout) for r in range(size)]
     mine = positions[rank]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    calls = []
-    original = ring._scores
+    calls: list[str] = []
+    original, scores = ring._block_forward, ring._scores
 
-    def counting(*args: Any) -> torch.Tensor:
-        calls.append(1)
+    def counting(*args: Any) -> Any:
+        calls.append("block")
         return original(*args)
 
-    ring._scores = counting
+    def counting_scores(*args: Any) -> torch.Tensor:
+        calls.append("matmul")
+        return scores(*args)
+
+    ring._block_forward, ring._scores, ring._FUSED = counting, counting_scores, fused
     try:
         chunks = 2 if layout == "zigzag" else 1
         out = ring.ring_attention(*local, positions, mask, causal, chunks=chunks)
-        forward_blocks = len(calls)
+        counts = calls.count("block"), calls.count("matmul")
         (out * w[:, :, mine]).sum().backward()
     finally:
-        ring._scores = original
+        ring._block_forward, ring._scores, ring._FUSED = original, scores, True
     errors = {"out": relative_error(out, ref[:, :, mine])}
     for label, got, want in zip("qkv", local, full, strict=True):
         errors[f"d{label}"] = relative_error(got.grad, want.grad[:, :, mine])
     assert torch.isfinite(out).all(), name
     bad = {k: e for k, e in errors.items() if not e <= RTOL}
     assert not bad, f"{name} (rank {rank}/{size}): {bad}"
-    return forward_blocks
+    return counts
 
 
 def _masks(s: int = 16) -> dict[str, Any]:
@@ -104,7 +109,11 @@ def _direct(rank: int, world_size: int) -> None:
     blocks = _case(rank, world_size, "causal", None, True)
     # Zigzag: 2 query runs x 2 key runs x P blocks, of which every rank skips the same number
     # (its chunks r and 2P-1-r see 2P+1 of the 4P chunk pairs): balanced, no masked work.
-    assert blocks == 2 * world_size + 1, blocks
+    # Unmasked blocks (fully visible, or causal on zigzag's aligned diagonal) go to the CPU
+    # flash kernel: no block takes the matmul path.
+    assert blocks == (2 * world_size + 1, 0), blocks
+    matmul = _case(rank, world_size, "causal (matmul path)", None, True, fused=False)
+    assert matmul == (2 * world_size + 1, 2 * world_size + 1), matmul
     _case(rank, world_size, "causal+padding", m["pad"], True)
     _case(rank, world_size, "padding, not causal", m["pad"], False)
     _case(rank, world_size, "not causal", None, False)
@@ -113,7 +122,7 @@ def _direct(rank: int, world_size: int) -> None:
     _case(rank, world_size, "GQA causal+padding", m["pad"], True, hk=2)
     _case(rank, world_size, "GQA MQA", None, True, hk=1)
     contiguous = _case(rank, world_size, "contiguous", m["pad"], True, layout="contiguous")
-    assert contiguous == rank + 1  # contiguous ranks: only earlier blocks are computed
+    assert contiguous == (rank + 1, rank + 1)  # only earlier blocks; padding: matmul path
 
 
 def _comm(rank: int, world_size: int) -> None:
@@ -141,7 +150,7 @@ def _comm(rank: int, world_size: int) -> None:
     from colossal.shardformer.sequence import ring
 
     events: list[str] = []
-    originals = (comm.batch_isend_irecv, ring._scores, ring._wait)
+    originals = (comm.batch_isend_irecv, ring._block_forward, ring._wait)
 
     def start(ops: Any) -> Any:
         events.append("start")
@@ -155,11 +164,11 @@ def _comm(rank: int, world_size: int) -> None:
         events.append("wait")
         originals[2](works)
 
-    comm.batch_isend_irecv, ring._scores, ring._wait = start, scores, wait
+    comm.batch_isend_irecv, ring._block_forward, ring._wait = start, scores, wait
     try:
         ring_attention(q, k, v, positions)
     finally:
-        comm.batch_isend_irecv, ring._scores, ring._wait = originals
+        comm.batch_isend_irecv, ring._block_forward, ring._wait = originals
     first = events.index("start")
     assert events[first + 1] == "compute" and "wait" in events[first + 2 :], events
     assert events.count("start") == events.count("wait") == world_size - 1, events

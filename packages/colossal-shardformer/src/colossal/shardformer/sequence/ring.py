@@ -118,6 +118,83 @@ def _finite(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isneginf(x), torch.full_like(x, fill), x)
 
 
+_FUSED = True
+"""Use the CPU flash-attention kernel for unmasked blocks (False: always the matmul path)."""
+
+
+def _fused_causal(spec: _Mask, qr: _Run, kr: _Run, device: torch.device) -> bool | None:
+    """For a block the fused kernel can take: its ``is_causal``; None for the matmul path.
+
+    The kernel takes blocks without a mask, fully visible or cut on an aligned diagonal
+    (same positions: zigzag's own chunks), on CPU.
+    """
+    if not _FUSED or device.type != "cpu" or spec.mask is not None:
+        return None
+    if not spec.causal or kr[2] + (kr[1] - kr[0]) - 1 <= qr[2]:
+        return False
+    if kr[2] == qr[2] and kr[1] - kr[0] == qr[1] - qr[0]:
+        return True
+    return None
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, spec: _Mask,
+    qr: _Run, kr: _Run,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block: ``(o, m, l)`` with ``o = sum_j exp(s_j - m) v_j``, ``l = sum_j exp(s_j - m)``.
+
+    ``q``: ``[B, Hk, R, nq, D]`` (fp32); ``k``, ``v``: ``[B, Hk, nk, D]``. ``m`` is the row
+    maximum (or the fused kernel's log-sum-exp, with ``l = 1``); ``-inf`` where a query
+    sees no key of the block (then ``o = l = 0``).
+    """
+    b, hk, r, nq, d = q.shape
+    causal = _fused_causal(spec, qr, kr, q.device)
+    if causal is not None:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.reshape(b, hk * r, nq, d), k, v, 0.0, causal, scale=scale
+        )
+        return (
+            o.view(b, hk, r, nq, -1),
+            lse.view(b, hk, r, nq),
+            torch.ones_like(lse).view(b, hk, r, nq),
+        )
+    sc = _scores(q, k, scale, spec, qr, kr)
+    m = sc.amax(-1)
+    p = torch.exp(sc - _finite(m, 0.0).unsqueeze(-1))
+    return torch.matmul(p, v.unsqueeze(2)), m, p.sum(-1)
+
+
+def _block_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], delta: torch.Tensor, scale: float,
+    spec: _Mask, qr: _Run, kr: _Run,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block's share of ``(dq [B,Hk,R,nq,D], dk [B,Hk,nk,D], dv [B,Hk,nk,Dv])``.
+
+    ``out``, ``delta = rowsum(dout * out)`` and ``stats = (lse, peak, inv)`` are the final
+    (whole-sequence) ones: a score's probability is ``exp(s - lse)`` (the fused kernel) or
+    ``exp(s - peak) * inv`` (exact next to a huge additive mask value, where ``lse`` rounds
+    to the peak); ``inv = 1 / sum`` is 0 for a query that sees nothing.
+    """
+    b, hk, r, nq, d = q.shape
+    lse, peak, inv = stats
+    causal = _fused_causal(spec, qr, kr, q.device)
+    if causal is not None:
+        flat = (b, hk * r, nq)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.reshape(*flat, -1), q.reshape(*flat, d), k, v, out.reshape(*flat, -1),
+            lse.reshape(flat), 0.0, causal, scale=scale,
+        )  # fmt: skip
+        return dq.view(q.shape), dk, dv
+    p = torch.exp(_scores(q, k, scale, spec, qr, kr) - peak.unsqueeze(-1)) * inv.unsqueeze(-1)
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
+    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    dq = torch.matmul(ds, k.unsqueeze(2))
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2)
+    return dq, dk, dv
+
+
 class _Ring:
     """The ring over a process group: this rank, its neighbours and the block exchange."""
 
@@ -200,37 +277,39 @@ class _RingAttention(torch.autograd.Function):
                     if spec.skipped(qr, kr):
                         continue
                     ks = slice(kr[0], kr[1])
-                    sc = _scores(qg[..., qs, :], kb[..., ks, :], scale, spec, qr, kr)
-                    old = peak[..., qs]
-                    new = _finite(torch.maximum(old, sc.amax(-1)), 0.0)
-                    p = torch.exp(sc - new.unsqueeze(-1))
-                    keep = torch.exp(old - new)
-                    acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + torch.matmul(
-                        p, vb[..., ks, :].unsqueeze(2)
+                    o, m, l_ = _block_forward(
+                        qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], scale, spec, qr, kr
                     )
-                    total[..., qs] = total[..., qs] * keep + p.sum(-1)
-                    peak[..., qs] = torch.maximum(old, sc.amax(-1))
+                    old = peak[..., qs]
+                    new = torch.maximum(old, m)
+                    safe = _finite(new, 0.0)
+                    keep, add = torch.exp(old - safe), torch.exp(m - safe)
+                    acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + o * add.unsqueeze(-1)
+                    total[..., qs] = total[..., qs] * keep + l_ * add
+                    peak[..., qs] = new
             if works:
                 _wait(works)
                 cur = nxt
+        seen = total > 0
+        out = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
         peak = _finite(peak, 0.0)
-        norm = torch.where(total > 0, total, torch.full_like(total, float("inf")))
-        out = acc / norm.unsqueeze(-1)  # a query that sees nothing: 0
-        ctx.save_for_backward(q, k, v, out, peak, norm, *(() if mask is None else (mask,)))
+        inv = torch.where(seen, 1.0 / total, torch.zeros_like(total))
+        # The whole row's log-sum-exp; +inf for a query that sees nothing (probabilities 0).
+        lse = torch.where(seen, peak + torch.log(total), float("inf"))
+        ctx.save_for_backward(q, k, v, out, lse, peak, inv, *(() if mask is None else (mask,)))
         ctx.spec, ctx.scale, ctx.group = spec, scale, group
         ctx.q_runs, ctx.kv_runs = q_runs, kv_runs
         return out.reshape(b, hq, sq, v.shape[-1]).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, peak, norm = ctx.saved_tensors[:6]
+        q, k, v, out, lse, peak, inv = ctx.saved_tensors[:7]
         spec, scale = ctx.spec, ctx.scale
         ring = _Ring(ctx.group)
         b, hk, r, sq, dv = out.shape
         qg = q.float().reshape(b, hk, r, sq, q.shape[-1])
         dout = grad.float().reshape(out.shape)
         delta = (dout * out).sum(-1)  # [B, Hk, R, sq]
-        peak, inv = peak.unsqueeze(-1), 1.0 / norm.unsqueeze(-1)  # inv 0: sees nothing
         dq = torch.zeros_like(qg)
         cur = _pack(k, v)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
@@ -247,15 +326,14 @@ class _RingAttention(torch.autograd.Function):
                     if spec.skipped(qr, kr):
                         continue
                     ks = slice(kr[0], kr[1])
-                    kblk, vblk = kb[..., ks, :], vb[..., ks, :]
-                    s = _scores(qg[..., qs, :], kblk, scale, spec, qr, kr)
-                    p = torch.exp(s - peak[..., qs, :]) * inv[..., qs, :]
-                    do = dout[..., qs, :]
-                    dvb[..., ks, :] += torch.matmul(p.transpose(-1, -2), do).sum(2)
-                    dp = torch.matmul(do, vblk.unsqueeze(2).transpose(-1, -2))
-                    ds = p * (dp - delta[..., qs].unsqueeze(-1)) * scale
-                    dq[..., qs, :] += torch.matmul(ds, kblk.unsqueeze(2))
-                    dkb[..., ks, :] += torch.matmul(ds.transpose(-1, -2), qg[..., qs, :]).sum(2)
+                    g_q, g_k, g_v = _block_backward(
+                        qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
+                        dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
+                        delta[..., qs], scale, spec, qr, kr,
+                    )  # fmt: skip
+                    dq[..., qs, :] += g_q
+                    dkb[..., ks, :] += g_k
+                    dvb[..., ks, :] += g_v
             if ring.size > 1:  # the block's gradient follows the block to the next rank
                 dkv, dworks = ring.start(dkv)
                 _wait(works + dworks)

@@ -13,7 +13,9 @@ holds, in its local order). With the zigzag layout (rank ``r`` holds chunks ``r`
 ``2P-1-r`` of ``2P``) every rank does the same causal work. A rank's tokens are taken as runs
 of consecutive positions (two per rank in zigzag); for each (query run, key run) pair a causal
 mask either hides it entirely (skipped: no compute), shows it entirely (no mask built) or cuts
-it on the diagonal.
+it on the diagonal. Blocks without a mask (fully visible, or causal on an aligned diagonal)
+run on PyTorch's CPU flash-attention kernel (forward and backward, grouped-query attention
+native); masked blocks, and other devices, on an exact matmul path.
 
 Masks: None (causal when the module is causal, else none), a ``[B, S]`` padding mask (plus
 causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive float mask

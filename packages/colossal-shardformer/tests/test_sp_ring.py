@@ -109,8 +109,7 @@ def _direct(rank: int, world_size: int) -> None:
     blocks = _case(rank, world_size, "causal", None, True)
     # Zigzag: 2 query runs x 2 key runs x P blocks, of which every rank skips the same number
     # (its chunks r and 2P-1-r see 2P+1 of the 4P chunk pairs): balanced, no masked work.
-    # Unmasked blocks (fully visible, or causal on zigzag's aligned diagonal) go to the CPU
-    # flash kernel: no block takes the matmul path.
+    # On CPU every block goes to the flash kernel: none takes the matmul path.
     assert blocks == (2 * world_size + 1, 0), blocks
     matmul = _case(rank, world_size, "causal (matmul path)", None, True, fused=False)
     assert matmul == (2 * world_size + 1, 2 * world_size + 1), matmul
@@ -122,7 +121,10 @@ def _direct(rank: int, world_size: int) -> None:
     _case(rank, world_size, "GQA causal+padding", m["pad"], True, hk=2)
     _case(rank, world_size, "GQA MQA", None, True, hk=1)
     contiguous = _case(rank, world_size, "contiguous", m["pad"], True, layout="contiguous")
-    assert contiguous == (rank + 1, rank + 1)  # only earlier blocks; padding: matmul path
+    assert contiguous == (rank + 1, 0)  # only earlier blocks are computed
+    # The exact matmul path (other devices) on the masked cases too.
+    for name, mask in (("causal+padding", m["pad"]), ("4-D bool", m["bool4"])):
+        _case(rank, world_size, f"{name} (matmul path)", mask, True, hk=2, fused=False)
 
 
 def _comm(rank: int, world_size: int) -> None:

@@ -13,9 +13,9 @@ holds, in its local order). With the zigzag layout (rank ``r`` holds chunks ``r`
 ``2P-1-r`` of ``2P``) every rank does the same causal work. A rank's tokens are taken as runs
 of consecutive positions (two per rank in zigzag); for each (query run, key run) pair a causal
 mask either hides it entirely (skipped: no compute), shows it entirely (no mask built) or cuts
-it on the diagonal. Blocks without a mask (fully visible, or causal on an aligned diagonal)
-run on PyTorch's CPU flash-attention kernel (forward and backward, grouped-query attention
-native); masked blocks, and other devices, on an exact matmul path.
+it on the diagonal. On CPU blocks run on PyTorch's flash-attention kernel (forward and
+backward, grouped-query attention native; unmasked blocks with its own causal flag, masked
+ones with the block's additive mask); elsewhere on an exact matmul path.
 
 Masks: None (causal when the module is causal, else none), a ``[B, S]`` padding mask (plus
 causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive float mask
@@ -121,22 +121,38 @@ def _finite(x: torch.Tensor, fill: float) -> torch.Tensor:
 
 
 _FUSED = True
-"""Use the CPU flash-attention kernel for unmasked blocks (False: always the matmul path)."""
+"""Use PyTorch's CPU flash-attention kernel for blocks on CPU (False: the matmul path)."""
+
+_Plan = tuple[bool, "torch.Tensor | None", "torch.Tensor | None"]
 
 
-def _fused_causal(spec: _Mask, qr: _Run, kr: _Run, device: torch.device) -> bool | None:
-    """For a block the fused kernel can take: its ``is_causal``; None for the matmul path.
+def _fused_plan(spec: _Mask, qr: _Run, kr: _Run, q: torch.Tensor) -> _Plan | None:
+    """How the fused kernel takes a block: ``(is_causal, additive mask, seen)``; None: matmul.
 
-    The kernel takes blocks without a mask, fully visible or cut on an aligned diagonal
-    (same positions: zigzag's own chunks), on CPU.
+    No mask: fully visible, or causal on an aligned diagonal (zigzag's own chunks) with the
+    kernel's ``is_causal``. Otherwise the block's mask becomes an additive ``[B, 1|H, nq|1,
+    nk]`` float mask, and ``seen`` (``[B, Hk, R, nq]``-broadcastable bool) marks the queries
+    that see a key of the block: the kernel gives the others a log-sum-exp of 0, not -inf.
     """
-    if not _FUSED or device.type != "cpu" or spec.mask is not None:
+    if not _FUSED or q.device.type != "cpu":
         return None
-    if not spec.causal or kr[2] + (kr[1] - kr[0]) - 1 <= qr[2]:
-        return False
-    if kr[2] == qr[2] and kr[1] - kr[0] == qr[1] - qr[0]:
-        return True
-    return None
+    nq, nk = qr[1] - qr[0], kr[1] - kr[0]
+    if spec.mask is None:
+        if not spec.causal or kr[2] + nk - 1 <= qr[2]:
+            return False, None, None
+        if kr[2] == qr[2] and nk == nq:
+            return True, None, None
+    keep, bias = spec.block(qr, kr)  # 5-D [B|1, Hk|1, R|1, nq|1, nk] (or 2-D causal)
+    add = torch.zeros((), dtype=q.dtype) if bias is None else bias.to(q.dtype)
+    seen = None
+    if keep is not None:
+        add = add.masked_fill(~keep, float("-inf"))
+        seen = keep.any(-1)
+    while add.dim() < 5:
+        add = add.unsqueeze(0)
+    b, hk, r = add.shape[:3]
+    add = add.reshape(b, hk * r, *add.shape[3:]) if hk * r > 1 else add.squeeze(2)
+    return False, add, seen
 
 
 def _block_forward(
@@ -150,16 +166,16 @@ def _block_forward(
     sees no key of the block (then ``o = l = 0``).
     """
     b, hk, r, nq, d = q.shape
-    causal = _fused_causal(spec, qr, kr, q.device)
-    if causal is not None:
+    plan = _fused_plan(spec, qr, kr, q)
+    if plan is not None:
+        causal, add, seen = plan
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.reshape(b, hk * r, nq, d), k, v, 0.0, causal, scale=scale
+            q.reshape(b, hk * r, nq, d), k, v, 0.0, causal, attn_mask=add, scale=scale
         )
-        return (
-            o.view(b, hk, r, nq, -1),
-            lse.view(b, hk, r, nq),
-            torch.ones_like(lse).view(b, hk, r, nq),
-        )
+        m = lse.view(b, hk, r, nq)
+        if seen is not None:
+            m = m.masked_fill(~seen.expand_as(m), float("-inf"))
+        return o.view(b, hk, r, nq, -1), m, torch.ones_like(m)
     sc = _scores(q, k, scale, spec, qr, kr)
     m = sc.amax(-1)
     p = torch.exp(sc - _finite(m, 0.0).unsqueeze(-1))
@@ -180,12 +196,13 @@ def _block_backward(
     """
     b, hk, r, nq, d = q.shape
     lse, peak, inv = stats
-    causal = _fused_causal(spec, qr, kr, q.device)
-    if causal is not None:
+    plan = _fused_plan(spec, qr, kr, q)
+    if plan is not None:
+        causal, add, _ = plan
         flat = (b, hk * r, nq)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.reshape(*flat, -1), q.reshape(*flat, d), k, v, out.reshape(*flat, -1),
-            lse.reshape(flat), 0.0, causal, scale=scale,
+            lse.reshape(flat), 0.0, causal, attn_mask=add, scale=scale,
         )  # fmt: skip
         return dq.view(q.shape), dk, dv
     p = torch.exp(_scores(q, k, scale, spec, qr, kr) - peak.unsqueeze(-1)) * inv.unsqueeze(-1)

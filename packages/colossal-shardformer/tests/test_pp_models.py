@@ -12,7 +12,8 @@ reference, hence to each other, only if their gradients are summed between the s
 Spawns (CI budget): one 2-rank run of every case x {1F1B, interleaved (2 chunks), ZB-V} plus
 an explicit ``num_layers_per_stage``; one 4-rank run of PP 4 with 1F1B over every case; one
 4-rank run of TP 2 x PP 2 (GPT-2, Llama, tied Qwen2, BERT masked LM with 1F1B; GPT-2 ZB-V).
-What they catch beyond test_pp_plan (same-process chaining): a stage output that does not
+What they catch beyond test_pp_plan (same-process chaining): a parameter held by no rank or
+by two (the partition check), a stage output that does not
 survive the point-to-point transfer (non-tensor leaves, namedtuples), gradients not flowing
 back through the received hidden state, a tied weight whose gradient is not reported as
 shared (or reported on one stage under ZB-V), layers placed on the wrong rank for the
@@ -74,6 +75,8 @@ def _run(
     params = dict(held_parameters(chunks))
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # lm_head.weight too
     assert set(params) <= set(ref_params), f"{what}: {set(params) - set(ref_params)}"
+    if tp_group is None:  # the pipeline is the whole job: check the partition across ranks
+        _check_partition(chunks, ref, what)
     last = manager.layout.num_slices - 1
     holds_last = any(c._colossal_pipeline_slice == last for c in chunks)
     opt = torch.optim.SGD(list(params.values()), lr=0.1)
@@ -104,6 +107,23 @@ def _run(
     for name, p in params.items():
         err = _error(_full(p, p), ref_params[name].detach(), floor)
         assert err <= RTOL, f"{what}: {name} after {STEPS} steps, error {err:.2e}"
+
+
+def _check_partition(chunks: list[Any], ref: Any, what: str) -> None:
+    """Every parameter name of the model is held by exactly one rank."""
+    import torch.distributed as dist
+
+    mine = sorted({n for c in chunks for n, _ in c.named_parameters(remove_duplicate=False)})
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    holders: dict[str, list[int]] = {}
+    for rank, names in enumerate(everyone):
+        for n in names:
+            holders.setdefault(n, []).append(rank)
+    expected = {n for n, _ in ref.named_parameters(remove_duplicate=False)}
+    assert set(holders) == expected, f"{what}: {set(holders) ^ expected}"
+    repeated = {n: ranks for n, ranks in holders.items() if len(ranks) > 1}
+    assert not repeated, f"{what}: held by several ranks: {repeated}"
 
 
 def _schedules(kind: str, mesh: Any, **manager_kwargs: Any) -> tuple[Any, Callable[[Any], Any]]:

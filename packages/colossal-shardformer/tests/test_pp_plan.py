@@ -80,10 +80,11 @@ def test_stages_chained_in_one_process_equal_the_model(name: str) -> None:
     """Every layout's slices, run one after the other, give the model's loss and gradients."""
     case: PPCase = CASES[name]
     batch = case.batch()
+    ref, model = build_pair(case)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
     for stages, chunks, kind in LAYOUTS:
-        ref, model = build_pair(case)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
+        model.zero_grad(set_to_none=True)  # the split leaves the model itself as it was
         slices = _all_slices(model, stages, chunks, kind)
         what = f"{name} {stages}x{chunks} {kind}"
         # every parameter on exactly one slice (a tied pair counts once per slice holding it)

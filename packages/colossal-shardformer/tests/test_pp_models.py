@@ -12,14 +12,13 @@ reference, hence to each other, only if their gradients are summed between the s
 Spawns (CI budget): one 2-rank run of every case x {1F1B, interleaved (2 chunks), ZB-V} plus
 an explicit ``num_layers_per_stage``; one 4-rank run of PP 4 with 1F1B over every case; one
 4-rank run of TP 2 x PP 2 (GPT-2, Llama, tied Qwen2, BERT masked LM with 1F1B; GPT-2 ZB-V).
-What they catch beyond test_pp_plan (same-process chaining): a parameter held by no rank or
-by two (the partition check), a stage output that does not
-survive the point-to-point transfer (non-tensor leaves, namedtuples), gradients not flowing
-back through the received hidden state, a tied weight whose gradient is not reported as
-shared (or reported on one stage under ZB-V), layers placed on the wrong rank for the
-interleaved/V layouts, and tensor parallelism applied per chunk that breaks on placeholders
-(a vocab-parallel head on a last stage without the embedding must shard its own weight with
-the same padding).
+What they catch beyond test_pp_plan (same-process chaining): a parameter held by no rank
+or by two (the partition check), a stage output that does not survive the point-to-point
+transfer (non-tensor leaves, namedtuples), gradients not flowing back through the received
+hidden state, a tied weight whose gradient is not reported as shared (or reported on one
+stage under ZB-V), layers placed on the wrong rank for the interleaved/V layouts, and tensor
+parallelism applied per chunk that breaks on placeholders (a vocab-parallel head on a last
+stage without the embedding must shard its own weight with the same padding).
 """
 
 from __future__ import annotations

@@ -75,11 +75,11 @@ def _hf(cls_name: str, config_name: str, **kwargs: Any) -> Callable[[], nn.Modul
     return build
 
 
-_GPT2 = dict(
+GPT2 = dict(
     vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=8, n_positions=64, resid_pdrop=0.0,
     embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, num_labels=NUM_LABELS,
 )  # fmt: skip
-_BERT = dict(
+BERT = dict(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
     intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     max_position_embeddings=64, num_labels=NUM_LABELS,
@@ -109,10 +109,10 @@ _SEQ = "ForSequenceClassification"
 CASES: dict[str, PPCase] = {
     c.name: c
     for c in (
-        PPCase("gpt2-lm", _hf("GPT2LMHeadModel", "GPT2Config", **_GPT2), _lm_batch, tied=True),
-        PPCase("gpt2-seqcls", _hf("GPT2" + _SEQ, "GPT2Config", **_GPT2), _cls_batch),
-        PPCase("bert-mlm", _hf("BertForMaskedLM", "BertConfig", **_BERT), _mlm_batch, tied=True),
-        PPCase("bert-seqcls", _hf("Bert" + _SEQ, "BertConfig", **_BERT), _cls_batch),
+        PPCase("gpt2-lm", _hf("GPT2LMHeadModel", "GPT2Config", **GPT2), _lm_batch, tied=True),
+        PPCase("gpt2-seqcls", _hf("GPT2" + _SEQ, "GPT2Config", **GPT2), _cls_batch),
+        PPCase("bert-mlm", _hf("BertForMaskedLM", "BertConfig", **BERT), _mlm_batch, tied=True),
+        PPCase("bert-seqcls", _hf("Bert" + _SEQ, "BertConfig", **BERT), _cls_batch),
         PPCase("vit-imgcls", _hf("ViTForImageClassification", "ViTConfig", **_VIT), _image_batch),
         PPCase("opt-lm", _hf("OPTForCausalLM", "OPTConfig", **_OPT), _lm_batch, tied=True),
         PPCase("bloom-lm", _hf("BloomForCausalLM", "BloomConfig", **_BLOOM), _lm_batch, tied=True),

@@ -243,3 +243,22 @@ def _qwen2_sliding(kinds: list[str]) -> nn.Module:
         **DECODER, layer_types=kinds, use_sliding_window=True, sliding_window=3
     )
     return transformers.Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("cls_name", ["GPT2Model", "BertModel"])
+def test_bare_base_model_last_stage_returns_its_output(cls_name: str) -> None:
+    """A base model (no head) split in 2: the last stage returns its usual output object."""
+    import transformers
+    from _pp_cases import BERT, GPT2
+
+    config = (transformers.GPT2Config(**GPT2) if cls_name == "GPT2Model"
+              else transformers.BertConfig(**BERT))  # fmt: skip
+    case = PPCase(cls_name, lambda: getattr(transformers, cls_name)(config), CASES["gpt2-lm"].batch)
+    batch = {k: v for k, v in case.batch().items() if k != "labels"}
+    ref, model = build_pair(case)
+    expected = ref(**batch).last_hidden_state
+    (first,), _ = _split(model, FakeManager(2, 0))
+    (last,), _ = _split(model, FakeManager(2, 1))
+    out = last(**first(**batch))
+    assert type(out) is type(ref(**batch))
+    torch.testing.assert_close(out.last_hidden_state, expected, rtol=1e-5, atol=1e-6)

@@ -197,6 +197,7 @@ class TPPlanPolicy(Policy):
         """Container class -> replacements, divided head counts and shared TP regions."""
         assert self.model is not None
         model = self.model
+        self.lm_head_sharded = False  # per model chunk: a pipeline stage may lack the head
         plan = model_tp_plan(model)
         modules = dict(model.named_modules())
         entries: dict[str, tuple[str, str]] = {}  # module path -> (plan key, style)

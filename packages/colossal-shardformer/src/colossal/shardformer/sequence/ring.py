@@ -22,9 +22,10 @@ causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive
 (used as it is, like SDPA), each cut to the block of positions at hand. A query that may see
 no key gets a zero output and zero gradients, as SDPA gives.
 
-Backward runs the ring again: key/value blocks travel the same way, and with them the
-gradients of those blocks, which every rank adds its share to; after ``P`` hops each block's
-gradient is back on its owner. Attention dropout is not supported.
+Backward runs the ring again: key/value blocks travel the same way, and behind them the
+gradients of those blocks, which every rank adds its share to (the gradient so far arrives
+while the rank computes its share); after ``P`` hops each block's gradient is back on its
+owner. Attention dropout is not supported.
 """
 
 from __future__ import annotations
@@ -331,14 +332,19 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1)  # [B, Hk, R, sq]
         dq = torch.zeros_like(qg)
         cur = _pack(k, v)
-        dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
+        numel = k.numel() + v.numel()
+        # dkv: the gradient so far of the block this step works on, received from the
+        # previous rank while this rank computed its own share (zero for its own block).
+        dkv = torch.zeros(numel, dtype=torch.float32, device=q.device)
+        pending: list[Any] = []
         for step in range(ring.size):
             src = (ring.rank - step) % ring.size
             works: list[Any] = []
             if step < ring.size - 1:
                 nxt, works = ring.start(cur)
             kb, vb = (t.float() for t in _unpack(cur, (k, v)))
-            dkb, dvb = _unpack(dkv, (k, v))
+            share = torch.zeros(numel, dtype=torch.float32, device=q.device)
+            dkb, dvb = _unpack(share, (k, v))
             for qr in ctx.q_runs:
                 qs = slice(qr[0], qr[1])
                 for kr in ctx.kv_runs[src]:
@@ -353,11 +359,16 @@ class _RingAttention(torch.autograd.Function):
                     dq[..., qs, :] += g_q
                     dkb[..., ks, :] += g_k
                     dvb[..., ks, :] += g_v
-            if ring.size > 1:  # the block's gradient follows the block to the next rank
-                dkv, dworks = ring.start(dkv)
-                _wait(works + dworks)
-                if works:
-                    cur = nxt
+            _wait(pending)  # the block's gradient from the ranks before (overlapped above)
+            share += dkv
+            if ring.size > 1:  # it follows the block to the next rank; the next one arrives
+                dkv, pending = ring.start(share)
+            else:
+                dkv = share
+            if works:
+                _wait(works)
+                cur = nxt
+        _wait(pending)  # after P hops: this rank's own block, every rank's share summed
         dk, dvv = _unpack(dkv, (k, v))
         return (
             dq.reshape(q.shape).to(q.dtype),

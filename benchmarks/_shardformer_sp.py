@@ -26,8 +26,10 @@ is ``zero_grad`` + forward + backward + gradient sync + ``AdamW.step``.
 
 Reported: median step wall time and CPU time (summed over ranks; the machine may have fewer
 cores than ranks) over >= 3 rounds in which the configurations take turns (order rotated every
-round), the ratio to torch CP (goal <= 0.95), the first-step loss of each next to the
-unsharded model's (must agree to fp32 tolerance), and the longest sequence each trains within
+round), the ratio to torch CP (goal <= 0.95), the first-step loss and gradients of each next
+to the unsharded model's on the same batch (fp32 tolerance: relative loss difference <= 1e-5,
+every parameter's gradient within 1e-4 relative norm error), and the longest sequence each
+trains within
 a per-rank memory budget (peak RSS of one training step, max over ranks; goal: ours >= CP's).
 Peak RSS is the kernel's ``VmHWM`` reset (``/proc/self/clear_refs``) right before the step,
 measured in fresh processes with ``MALLOC_MMAP_THRESHOLD_`` fixed so freed tensors go back to
@@ -66,11 +68,13 @@ SP_QUICK = {
     "batch": 1,
     "seq": 512,
 }
-SP_FULL_SEARCH = {"sp_memory_mb": 1024, "sp_max_seq": 16384, "sp_seq_grain": 1024}
-SP_QUICK_SEARCH = {"sp_memory_mb": 0, "sp_max_seq": 2048, "sp_seq_grain": 256}
+# defaults of the --sp-* options (full run, --quick)
+SP_FULL_ARGS = {"sp_world": 4, "sp_memory_mb": 700, "sp_max_seq": 16384, "sp_seq_grain": 1024}
+SP_QUICK_ARGS = {"sp_world": 2, "sp_memory_mb": 0, "sp_max_seq": 2048, "sp_seq_grain": 256}
 CONFIGS = ("torch CP", "ours Ulysses", "ours ring")
 MODES = {"ours Ulysses": "all_to_all", "ours ring": "ring_attn"}
 LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
 
 
 def build_model(size: dict[str, int], seq: int) -> nn.Module:
@@ -218,11 +222,22 @@ def make_trainer(name: str, size: dict[str, int], seq: int, world_size: int) -> 
     return Ours(name, model, ids)
 
 
-def reference_loss(size: dict[str, int], seq: int) -> float:
-    """The unsharded model's loss on the same batch (one process, no parallelism)."""
+def reference(size: dict[str, int], seq: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The unsharded model's loss and gradients on the same batch (one process)."""
     ids = batch(size, seq)
-    with torch.no_grad():
-        return float(build_model(size, seq)(input_ids=ids, labels=ids, use_cache=False).loss)
+    model = build_model(size, seq)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+def grad_error(model: nn.Module, grads: dict[str, torch.Tensor]) -> float:
+    """Largest ``|g - g_ref| / |g_ref|`` (norms) over the parameters, by Hugging Face name."""
+    worst = 0.0
+    for name, p in model.named_parameters():
+        ref = grads[name]
+        worst = max(worst, float((p.grad - ref).norm() / ref.norm().clamp_min(1e-30)))
+    return worst
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +253,13 @@ def time_worker(rank: int, world_size: int, args: Any) -> list[dict[str, Any]]:
             trainers.append(make_trainer(name, size, seq, world_size))
         except (ImportError, NotImplementedError, ValueError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
-    first_loss = {t.name: t.step() for t in trainers}  # same weights, same batch: same loss
+    ref_loss, ref_grads = reference(size, seq) if rank == 0 else (0.0, {})
+    grad_err = {}
+    for t in trainers:  # same weights, same batch: the same gradients (after the SP sync)
+        t.forward_backward()
+        if rank == 0:
+            grad_err[t.name] = grad_error(t.model, ref_grads)
+    first_loss = {t.name: t.step() for t in trainers}  # ... and the same loss
     for _ in range(args.warmup - 1):
         for t in trainers:
             t.step()
@@ -253,7 +274,6 @@ def time_worker(rank: int, world_size: int, args: Any) -> list[dict[str, Any]]:
             cpu[t.name].append(cpu_s)
     if rank != 0:
         return []
-    reference = reference_loss(size, seq)
     rows = []
     for name in CONFIGS:
         row: dict[str, Any] = {"section": "sp", "world": world_size, "config": name, "seq": seq}
@@ -267,7 +287,8 @@ def time_worker(rank: int, world_size: int, args: Any) -> list[dict[str, Any]]:
                 "steps_ms": [round(x * 1e3, 1) for x in times[name]],
                 "cpu_ms": statistics.median(cpu[name]) * 1e3,  # summed over ranks
                 "first_loss": first_loss[name],
-                "reference_loss": reference,
+                "reference_loss": ref_loss,
+                "grad_rel_error": grad_err[name],
             }
         )
     return rows
@@ -289,55 +310,63 @@ def _peak_rss_of(fn: Any) -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def memory_worker(rank: int, world_size: int, name: str, args: Any) -> dict[str, Any]:
-    """Longest sequence ``name`` trains one step at within ``args.sp_memory_mb`` per rank."""
+def _next_probe(fits: int, fails: int, grain: int, max_seq: int) -> int | None:
+    """The next length to try: doubling until a length fails, then bisection to the grain."""
+    if not fails:
+        nxt = 2 * fits if fits else grain
+        return nxt if nxt <= max_seq else None
+    if fails - fits <= grain:
+        return None
+    return max((fits + fails) // 2 // grain * grain, fits + grain)
+
+
+def memory_worker(
+    rank: int, world_size: int, name: str, args: Any, state: tuple[int, int, dict[int, int]]
+) -> tuple[int, int, dict[int, int]]:
+    """Continue the search for the longest sequence ``name`` trains within the budget.
+
+    ``state`` is ``(longest length that fit, shortest that did not (0: none yet), measured
+    peak bytes by length)``. Lengths are tried in increasing order only: memory a longer step
+    touched may stay resident and would count in a shorter step's peak, so after a length
+    that does not fit (the next probe is shorter) this returns and the caller starts fresh
+    processes.
+    """
     from colossal.core.comm import all_gather_object
 
-    size, budget = args.sp_size, args.sp_memory_mb * 2**20
-    grain = args.sp_seq_grain
-
-    def peak(seq: int) -> int:
-        trainer = make_trainer(name, size, seq, world_size)
-        value = max(all_gather_object(_peak_rss_of(trainer.step)))
+    fits, fails, measured = state
+    budget = args.sp_memory_mb * 2**20
+    while (seq := _next_probe(fits, fails, args.sp_seq_grain, args.sp_max_seq)) is not None:
+        trainer = make_trainer(name, args.sp_size, seq, world_size)
+        measured[seq] = max(all_gather_object(_peak_rss_of(trainer.step)))
         del trainer
-        return value
-
-    measured: dict[int, int] = {}
-    fits, fails = 0, 0
-    seq = grain
-    while seq <= args.sp_max_seq:  # doubling
-        measured[seq] = peak(seq)
         if measured[seq] > budget:
-            fails = seq
-            break
-        fits, seq = seq, seq * 2
-    while fails and fails - fits > grain:  # bisection down to the grain
-        mid = (fits + fails) // 2 // grain * grain
-        measured[mid] = peak(mid)
-        if measured[mid] > budget:
-            fails = mid
-        else:
-            fits = mid
-    return {
-        "config": name,
-        "longest_seq": fits,
-        "capped": not fails,  # fit up to --sp-max-seq: the budget was not reached
-        "peak_rss_mb": {s: round(b / 2**20, 1) for s, b in sorted(measured.items())},
-    }
+            return fits, seq, measured
+        fits = seq
+    return fits, fails, measured
 
 
 def run_memory(args: Any, world_size: int) -> dict[str, dict[str, Any]]:
-    """One fresh spawn per configuration (no memory left over from another one)."""
+    """Longest trainable sequence of each configuration, in fresh processes (no leftovers)."""
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # fixed: freed tensors leave the process
     try:
         results = {}
         for name in CONFIGS:
+            state: tuple[int, int, dict[int, int]] = (0, 0, {})
             try:
-                out = spawn(memory_worker, world_size, args=(name, args), timeout=3600)[0]
+                while _next_probe(*state[:2], args.sp_seq_grain, args.sp_max_seq) is not None:
+                    state = spawn(
+                        memory_worker, world_size, args=(name, args, state), timeout=3600
+                    )[0]
             except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
-                out = {"config": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            results[name] = out
+                results[name] = {"memory_error": f"{type(exc).__name__}: {exc}"[:300]}
+                continue
+            fits, fails, measured = state
+            results[name] = {
+                "longest_seq": fits,
+                "capped": not fails,  # fit up to --sp-max-seq: the budget was not reached
+                "peak_rss_mb": {s: round(b / 2**20, 1) for s, b in sorted(measured.items())},
+            }
         return results
     finally:
         if old is None:
@@ -393,15 +422,19 @@ def run_section(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
                         ours_len is not None and cp_len is not None and ours_len >= cp_len,
                     )
                 )
-        diff = r.get("loss_vs_unsharded")
-        goals.append(
-            goal(
-                f"SP={world}: first-step loss, {name} vs unsharded (relative)",
-                diff if diff is not None else r.get("error", "no value"),
-                f"<= {LOSS_RTOL:g}",
-                diff is not None and diff <= LOSS_RTOL,
+        for key, what, tol in (
+            ("loss_vs_unsharded", "first-step loss", LOSS_RTOL),
+            ("grad_rel_error", "gradients (max relative error of a parameter's)", GRAD_RTOL),
+        ):
+            diff = r.get(key)
+            goals.append(
+                goal(
+                    f"SP={world}: {what}, {name} vs unsharded",
+                    diff if diff is not None else r.get("error", "no value"),
+                    f"<= {tol:g}",
+                    diff is not None and diff <= tol,
+                )
             )
-        )
 
     def cell(r: dict[str, Any], key: str, digits: int = 3) -> Any:
         v = r.get(key)
@@ -420,13 +453,14 @@ def run_section(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
                 "CPU vs torch CP": cell(r, "cpu_vs_torch_cp"),
                 "first loss": cell(r, "first_loss", 6),
                 "loss rel. diff vs unsharded": cell(r, "loss_vs_unsharded", 9),
+                "max grad rel. error vs unsharded": cell(r, "grad_rel_error", 9),
                 f"longest seq @ {args.sp_memory_mb} MB/rank": (
                     f"{r['longest_seq']}{'+' if r.get('capped') else ''}"
                     if "longest_seq" in r
                     else ""
                 ),
                 "peak RSS MB/rank by seq": ", ".join(f"{s}: {m}" for s, m in peaks.items()),
-                "error": r.get("error", ""),
+                "error": r.get("error", r.get("memory_error", "")),
             }
         )
     columns = [c for c in table[0] if any(t[c] != "" for t in table)]

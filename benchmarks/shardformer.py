@@ -1,4 +1,6 @@
-"""Tensor parallelism for a Llama model: colossal.shardformer vs torch's ``parallelize_module``.
+"""Tensor and sequence parallelism for Llama: colossal.shardformer vs PyTorch-native peers.
+
+Tensor parallelism: colossal.shardformer vs torch's ``parallelize_module``.
 
 A Llama-style ``transformers.LlamaForCausalLM`` of ~50M parameters (hidden 768, 6 layers,
 12 query heads and 4 key/value heads of 64, MLP 2048, vocabulary 8192, untied embeddings) is
@@ -63,10 +65,18 @@ column (process CPU time summed over ranks) is the load-insensitive view of the 
 (a blocking gloo all-reduce shows up as the self time of the op that waits for it:
 ``_ReduceFromRegion``/``_CopyToRegionBackward`` for ours, ``wait_tensor`` for DTensor).
 
+Sequence parallelism (``--sections sp``, on by default): an attention-heavy Llama step (few
+layers, one sequence of 2048 tokens) on 4 ranks with our Ulysses (``all_to_all``) and ring
+attention (``ring_attn``) against PyTorch's ``context_parallel`` (ring attention on SDPA, made
+to run on CPU by adding the CPU flash kernel to CP's own dispatch table): step time, loss
+agreement and the longest sequence each trains within a per-rank memory budget. See
+``_shardformer_sp.py`` (the section) and ``_shardformer_sp_cp.py`` (CP on CPU).
+
 Usage::
 
-    python3 benchmarks/shardformer.py [--quick] [--worlds 2 4] [--rounds N] [--profile N]
-        [--json PATH]
+    python3 benchmarks/shardformer.py [--quick] [--sections tp sp] [--worlds 2 4] [--rounds N]
+        [--profile N] [--sp-world 4] [--sp-seq S] [--sp-memory-mb MB] [--sp-max-seq S]
+        [--sp-seq-grain S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -79,7 +89,7 @@ import warnings
 from typing import Any
 
 import torch
-from _shardformer_sp import SP_FULL, SP_FULL_SEARCH, SP_QUICK, SP_QUICK_SEARCH, span
+from _shardformer_sp import SP_FULL, SP_FULL_ARGS, SP_QUICK, SP_QUICK_ARGS, span
 from _shardformer_sp import run_section as sp_section
 from bench_common import goal, machine, markdown_table, write_json
 from torch import nn
@@ -458,7 +468,7 @@ def main() -> None:
         metavar="N",
         help="print the top N ops (self CPU time) of one extra step per TP config on rank 0",
     )
-    parser.add_argument("--sp-world", type=int, default=4, help="SP group size (one run)")
+    parser.add_argument("--sp-world", type=int, default=None, help="SP size (4; quick 2)")
     parser.add_argument("--sp-seq", type=int, default=None, help="SP timed sequence length")
     parser.add_argument(
         "--sp-memory-mb",
@@ -475,7 +485,7 @@ def main() -> None:
         raise ValueError(
             f"--rounds must be >= 3 and --warmup >= 1, got {args.rounds}, {args.warmup}"
         )
-    sp_defaults = SP_QUICK_SEARCH if args.quick else SP_FULL_SEARCH
+    sp_defaults = SP_QUICK_ARGS if args.quick else SP_FULL_ARGS
     args.sp_size = dict(SP_QUICK if args.quick else SP_FULL)
     if args.sp_seq:
         args.sp_size["seq"] = args.sp_seq

@@ -492,6 +492,12 @@ def main() -> None:
     for key, value in sp_defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    multiple = 2 * args.sp_world  # the zigzag layouts cut the sequence in 2 * SP chunks
+    if args.sp_size["seq"] % multiple or args.sp_seq_grain % multiple:
+        raise ValueError(
+            f"--sp-seq ({args.sp_size['seq']}) and --sp-seq-grain ({args.sp_seq_grain}) must be "
+            f"multiples of 2 * --sp-world = {multiple}; pick multiples of {multiple}"
+        )
 
     rows: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []

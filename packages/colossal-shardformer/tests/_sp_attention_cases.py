@@ -4,6 +4,11 @@ Tiny fp32 models of every family whose attention goes through transformers'
 ``AttentionInterface`` (GPT-2, BERT, ViT, OPT; Llama and Qwen2 through their derived
 policies) with every dropout 0, and :func:`check_family`: ``reference_check`` with the mode
 on, ``SequenceParallelGradSync`` after each backward, everything at relative error <= 1e-5.
+
+A causal LM with ``parallel_output=True`` returns this rank's tokens' logits (layout order):
+:func:`full_logits` places every rank's logits at their ``token_indices`` so they compare
+with the unsharded model's whole logits (which proves each rank's logits are the reference
+at its token indices).
 """
 
 from __future__ import annotations
@@ -131,11 +136,64 @@ ZERO_GRAD_SUFFIXES = ("key.bias", "k_proj.bias")
 """Key biases: softmax ignores them, their exact gradient is 0 (compared absolutely)."""
 
 
+def full_logits(logits: torch.Tensor, seq_len: int, state: Any) -> torch.Tensor:
+    """The whole sequence's logits from every rank's ``(b, seq / P, ...)`` logits.
+
+    Each rank's logits go to the global positions ``token_indices`` names for it in the
+    model's layout (its sequence-parallel state). Not differentiable (the loss is the
+    objective of these checks).
+    """
+    import torch.distributed as dist
+
+    from colossal.shardformer.sequence import token_indices
+
+    size = dist.get_world_size(state.group)
+    pieces = [torch.empty_like(logits) for _ in range(size)]
+    dist.all_gather(pieces, logits.detach().contiguous(), group=state.group)
+    full = logits.new_empty((logits.shape[0], seq_len, *logits.shape[2:]))
+    for r, piece in enumerate(pieces):
+        full[:, token_indices(seq_len, r, size, state.layout)] = piece
+    return full
+
+
+def gathering(build: Callable[[], Any], seen: list[bool]) -> Callable[[], Any]:
+    """``build`` whose model puts the whole sequence's logits in its output when they are local.
+
+    Appends to ``seen`` whether the logits were this rank's tokens only (the sharded head).
+    """
+
+    def hooked() -> Any:
+        model = build()
+
+        def whole(mod: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+            from colossal.shardformer.sequence import get_sequence_state
+
+            state = get_sequence_state(mod)
+            ids = kwargs.get("input_ids")
+            logits = getattr(out, "logits", None)
+            if state is None or ids is None or logits is None:
+                return out
+            local = logits.shape[1] != ids.shape[1]
+            seen.append(local)
+            if local:
+                out.logits = full_logits(logits, ids.shape[1], state)
+            return out
+
+        model.register_forward_hook(whole, with_kwargs=True)
+        return model
+
+    return hooked
+
+
 def check_family(
     build: Callable[[], Any], b: dict[str, torch.Tensor], what: str, kwargs: dict[str, Any],
-    steps: int = 1,
+    steps: int = 1, local: bool = False,
 ) -> Any:  # fmt: skip
     """``reference_check`` with the sequence-parallel grad sync; raises naming ``what``.
+
+    ``local``: the sharded model must return this rank's tokens' logits (a causal LM's head
+    on sequence shards) instead of the whole sequence's; they are compared at their
+    ``token_indices``.
 
     Key biases (exact gradient 0, so a relative error is rounding noise) are compared by
     their largest absolute difference (gradient after the last backward, parameter after
@@ -151,10 +209,13 @@ def check_family(
         built.append(build())
         return built[-1]
 
+    seen: list[bool] = []
     report = reference_check(
-        recording, b, shard_config_kwargs=kwargs, steps=steps, rtol=RTOL, check=False,
-        update_rtol=1e-3, after_backward=sync,
+        gathering(recording, seen), b, shard_config_kwargs=kwargs, steps=steps, rtol=RTOL,
+        check=False, update_rtol=1e-3, after_backward=sync,
     )  # fmt: skip
+    if "input_ids" in b:
+        assert seen and all(x == local for x in seen), f"{what}: local logits {seen}, want {local}"
     failures = [f for f in report.failures if not f.split(":")[0].endswith(ZERO_GRAD_SUFFIXES)]
     ref, model = built
     ref_params = dict(ref.named_parameters())
@@ -176,9 +237,56 @@ def check_family(
 
 
 def sync_matters(build: Callable[[], Any], b: dict[str, torch.Tensor], kwargs: dict[str, Any],
-                 name: str) -> None:  # fmt: skip
-    """Without the grad sync a stack parameter's gradient is only this rank's share."""
+                 name: str | tuple[str, ...]) -> None:  # fmt: skip
+    """Without the grad sync these parameters' gradients are only this rank's share."""
     from _models import reference_check
 
-    report = reference_check(build, b, shard_config_kwargs=kwargs, steps=0, check=False)
-    assert report.grads[name] > 1e-2, (name, report.grads[name])
+    report = reference_check(
+        gathering(build, []), b, shard_config_kwargs=kwargs, steps=0, check=False
+    )
+    for n in (name,) if isinstance(name, str) else name:
+        assert report.grads[n] > 1e-2, (n, report.grads[n])
+
+
+def ignored_on_rank0(b: dict[str, torch.Tensor], layout: str, size: int) -> dict[str, torch.Tensor]:
+    """``b`` whose shifted labels are all ``-100`` on rank 0's tokens of ``layout``.
+
+    Token ``t`` predicts label ``t + 1``; rank 0 then has no token to count, the others do.
+    """
+    from colossal.shardformer.sequence import token_indices
+
+    out = dict(b)
+    labels = out["labels"].clone()
+    s = labels.shape[1]
+    targets = token_indices(s, 0, size, layout) + 1
+    labels[:, targets[targets < s]] = -100
+    out["labels"] = labels
+    return out
+
+
+def head_cases(mode: str, sp_group: Any = None, partial: tuple[str, ...] = ()) -> None:
+    """The causal-LM head on sequence shards (Llama), beyond :func:`check_family`'s families.
+
+    * an unpadded causal batch whose shifted labels are all ``-100`` on rank 0's tokens: the
+      loss is still the global one (catches a per-rank mean: 0 / 0 on rank 0);
+    * ``parallel_output=False``: the whole sequence's logits, as without the sharded head
+      (catches the head kept local when the user asked for full logits);
+    * without ``SequenceParallelGradSync`` the LM head's and the final norm's gradients are
+      only this rank's share (catches them missing from the partial-gradient marks: the
+      sync would leave them partial, which the families' checks see too, and shows the
+      sync is what makes them whole); ``partial`` names more parameters checked so in the
+      same run.
+    """
+    import torch.distributed as dist
+
+    from colossal.shardformer.sequence.attention import sequence_layout
+
+    llama = derived("tiny_llama_config")
+    kw = sp_kwargs(mode, sp_group)
+    layout = sequence_layout(llama(), mode)
+    size = dist.get_world_size(sp_group)
+    lone = ignored_on_rank0(batch(pad=False), layout, size)
+    check_family(llama, lone, f"Llama {mode}, rank 0 without labels", kw, steps=0, local=True)
+    full = {**kw, "parallel_output": False}
+    check_family(llama, batch(), f"Llama {mode}, parallel_output=False", full, steps=0)
+    sync_matters(llama, batch(), kw, ("lm_head.weight", "model.norm.weight", *partial))

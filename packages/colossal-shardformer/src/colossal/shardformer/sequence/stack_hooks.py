@@ -68,6 +68,11 @@ class SequenceParallelState:
         seq_len: Full sequence length of the current forward (set at the stack's entry).
         batch_size: Batch size of the current forward (unflattens ``(batch * seq, h)``).
         indices: Global positions of this rank's tokens in the current forward.
+        local_exit: The stack's output stays on this rank's tokens (no exit gather) when
+            :attr:`local_head` is set: the model's LM head and loss run on local tokens
+            (:mod:`~colossal.shardformer.sequence.sharded_head`).
+        local_head: Set per forward by the sharded head's model hooks (False outside a
+            forward of the whole model, so a direct call of the base model gathers).
         handles: The installed hooks.
     """
 
@@ -79,6 +84,8 @@ class SequenceParallelState:
     seq_len: int | None = None
     batch_size: int | None = None
     indices: torch.Tensor | None = None
+    local_exit: bool = False
+    local_head: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -185,6 +192,8 @@ def install_stack_hooks(
         return args, slice_sequence_kwargs(kwargs, state)
 
     def leave(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if state.local_exit and state.local_head:
+            return output  # the head and loss run on this rank's tokens
         if isinstance(output, torch.Tensor):
             return gather_sequence(output, state.group, state.layout)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):

@@ -114,7 +114,7 @@ class ShardFormer:
         if config.enable_sequence_parallelism:
             from colossal.shardformer.sequence import apply_sequence_parallelism
 
-            apply_sequence_parallelism(model, config)
+            apply_sequence_parallelism(model, config, policy)
         if config.enable_fused_normalization:
             from colossal.shardformer.norm import replace_norms
 

@@ -290,3 +290,75 @@ def head_cases(mode: str, sp_group: Any = None, partial: tuple[str, ...] = ()) -
     full = {**kw, "parallel_output": False}
     check_family(llama, batch(), f"Llama {mode}, parallel_output=False", full, steps=0)
     sync_matters(llama, batch(), kw, ("lm_head.weight", "model.norm.weight", *partial))
+
+
+def pipeline_cases(mesh: Any) -> None:
+    """PP 2 x SP 2 (mesh axes ``"pp"``, ``"sp"``): only the last slice's chunk keeps logits local.
+
+    1F1B with Llama under Ulysses (stage 0 gathers at its stack's exit and sends the whole
+    sequence; stage 1 splits it, keeps it local through its head and loss), and ZB-V with
+    Qwen2's tied embedding under ring attention (first and last slice are two chunks of
+    stage 0 holding one Parameter: the embedding chunk scales its gradient share although
+    the head chunk is prepared after it). Loss on the last stage and every gradient, after
+    the schedule and ``SequenceParallelGradSync``, equal the unsharded model's.
+    """
+    import _models
+    import torch.distributed as dist
+    import transformers
+    from torch import nn
+
+    from colossal.core import sharded_view
+    from colossal.core.testing import relative_error
+    from colossal.pipeline import (
+        OneForwardOneBackwardSchedule,
+        PipelineStageManager,
+        ZeroBubbleVPipeScheduler,
+    )
+    from colossal.shardformer import SequenceParallelGradSync, ShardConfig, ShardFormer
+
+    sp = mesh.get_group_along_axis("sp")
+    b = batch(pad=False)  # microbatches of equal token counts: their mean is the batch's
+    cases = (
+        ("Llama 1F1B all_to_all", derived("tiny_llama_config"), "all_to_all", False),
+        ("Qwen2 tied ZB-V ring_attn",
+         lambda: transformers.Qwen2ForCausalLM(_models.tiny_qwen2_config(4)), "ring_attn", True),
+    )  # fmt: skip
+    for what, build, mode, zbv in cases:
+        torch.manual_seed(0)
+        ref = build().train()
+        torch.manual_seed(0)
+        model = build().train()
+        if zbv:
+            sm = PipelineStageManager(mesh, "pp", num_model_chunks=2, use_zbv=True)
+        else:
+            sm = PipelineStageManager(mesh, "pp")
+        config = ShardConfig(pipeline_stage_manager=sm, **sp_kwargs(mode, sp))
+        out, shared = ShardFormer(config).optimize(model)
+        chunks = list(out) if isinstance(out, nn.ModuleList) else [out]
+        if zbv:
+            schedule: Any = ZeroBubbleVPipeScheduler(sm, 2, num_microbatches=2,
+                                                     shared_params=shared)  # fmt: skip
+        else:
+            schedule = OneForwardOneBackwardSchedule(sm, num_microbatches=2, shared_params=shared)
+        result = schedule.forward_backward_step(
+            out, iter([b]), criterion=lambda o, mb: o.loss, return_loss=True
+        )
+        SequenceParallelGradSync(nn.ModuleList(chunks))()
+        ref_loss = ref(**b).loss
+        ref_loss.backward()
+        last = sm.layout.num_slices - 1
+        if any(c._colossal_pipeline_slice == last for c in chunks):
+            err = relative_error(result["loss"], ref_loss.detach())
+            assert err <= RTOL, f"{what}: loss error {err:.2e}"
+        ref_params = dict(ref.named_parameters(remove_duplicate=False))
+        seen: set[int] = set()
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) in seen or name.endswith(ZERO_GRAD_SUFFIXES):
+                    continue
+                seen.add(id(p))
+                assert p.grad is not None, f"{what}: {name} got no gradient"
+                view = sharded_view(p.grad, like=p)
+                grad = p.grad if view is None else view.gather()
+                err = relative_error(grad, ref_params[name].grad)
+                assert err <= RTOL, f"{what} (rank {dist.get_rank()}): grad {name} error {err:.2e}"

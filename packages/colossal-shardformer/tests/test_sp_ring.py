@@ -260,12 +260,15 @@ def test_ring(rank: int, world_size: int) -> None:
 
 @distributed_test(4)
 def test_attention_modes_world4(rank: int, world_size: int) -> None:
-    """Ring at SP 4 alone, and TP 2 x SP 2 (Llama) for both ``all_to_all`` and ``ring_attn``.
+    """Ring at SP 4 alone, TP 2 x SP 2 (Llama) for both attention modes, PP 2 x SP 2.
 
     Catches: a block's gradient not carried all the way back (SP 4: it passes ranks that
     neither own nor first touched it); head checks or splits using global instead of
     TP-local head counts (4 query / 2 key-value heads per TP rank, split again by Ulysses);
-    the grad sync summing over the wrong group (TP shards mixed: wrong gradients).
+    the grad sync summing over the wrong group (TP shards mixed: wrong gradients). PP 2 x
+    SP 2: the sharded causal-LM head on the last pipeline slice only (a gather skipped on
+    stage 0 would send half a sequence), a tied embedding split over two chunks of stage 0
+    (its gradient counted twice without the cross-chunk scale).
     """
     import _sp_attention_cases as c
 
@@ -278,3 +281,4 @@ def test_attention_modes_world4(rank: int, world_size: int) -> None:
         kw = c.sp_kwargs(mode, sp, tp)
         llama = c.derived("tiny_llama_config")
         c.check_family(llama, c.batch(), f"Llama TP2xSP2 {mode}", kw, local=True)
+    c.pipeline_cases(ProcessGroupMesh(2, 2, axis_names=("pp", "sp")))

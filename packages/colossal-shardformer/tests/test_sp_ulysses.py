@@ -125,6 +125,11 @@ def _direct(rank: int, world_size: int) -> None:
 def _families(rank: int, world_size: int) -> None:
     """Every supporting family at SP 2 (no TP): logits, loss, gradients, a step equal unsharded.
 
+    Causal LMs (Llama, Qwen2, GPT-2, OPT) return this rank's tokens' logits, compared with
+    the unsharded logits at their token indices (``head_cases``: a batch with no label on
+    rank 0's tokens, ``parallel_output=False``, the head's and final norm's partial
+    gradients); tied heads (Qwen2, GPT-2) catch the embedding's share counted twice.
+
     Catches: a layer seeing the wrong tokens' rotary/positions (Llama, Qwen2: wrong logits);
     a mask not applied over the gathered sequence (padded rows: wrong logits); a stack
     parameter's gradient not summed over the group (and ``sync_matters``: without the sync

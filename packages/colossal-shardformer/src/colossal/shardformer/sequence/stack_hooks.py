@@ -5,7 +5,9 @@ full-length attention mask come from the model's own forward. A forward pre-hook
 held layer keeps this rank's tokens of the hidden states (:func:`~colossal.shardformer.
 sequence.layout.split_sequence`) and a forward hook on the last held layer gathers them
 back (:func:`~colossal.shardformer.sequence.layout.gather_sequence`); a layer may return a
-tensor or a tuple whose first element is the hidden state.
+tensor or a tuple whose first element is the hidden state. When a causal LM's head runs on
+local tokens (:mod:`~colossal.shardformer.sequence.sharded_head`, state ``local_exit`` and
+``local_head``) the exit does not gather.
 
 In the ``"attention"`` modes (``all_to_all``, ``ring_attn``) each layer also gets a pre-hook
 slicing the keyword arguments that carry a sequence dim (:data:`SEQUENCE_KWARGS`: the rotary

@@ -60,7 +60,10 @@ class ShardConfig:
         enable_sequence_overlap: Overlap sequence-parallel communication (needs sequence
             parallelism).
         parallel_output: Keep the LM head's logits split over the vocabulary (the loss is
-            computed vocab-parallel); False gathers them to full ``(..., vocab)`` logits.
+            computed vocab-parallel) and, for a causal LM in the ``"all_to_all"`` /
+            ``"ring_attn"`` modes, over the sequence (the head and loss run on this rank's
+            tokens; logits ``(batch, seq / P, ...)`` in layout order); False gathers them to
+            full ``(batch, seq, vocab)`` logits.
         make_vocab_size_divisible_by: The vocabulary is padded to a multiple of this times
             the tensor-parallel size.
         gradient_checkpoint_config: Recompute a number of layers per stage in the backward;

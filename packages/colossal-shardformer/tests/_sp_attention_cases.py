@@ -275,7 +275,8 @@ def head_cases(mode: str, sp_group: Any = None, partial: tuple[str, ...] = ()) -
       only this rank's share (catches them missing from the partial-gradient marks: the
       sync would leave them partial, which the families' checks see too, and shows the
       sync is what makes them whole); ``partial`` names more parameters checked so in the
-      same run.
+      same run;
+    * ``logits_to_keep=1`` and the base model called directly: the whole sequence's outputs.
     """
     import torch.distributed as dist
 
@@ -290,6 +291,30 @@ def head_cases(mode: str, sp_group: Any = None, partial: tuple[str, ...] = ()) -
     full = {**kw, "parallel_output": False}
     check_family(llama, batch(), f"Llama {mode}, parallel_output=False", full, steps=0)
     sync_matters(llama, batch(), kw, ("lm_head.weight", "model.norm.weight", *partial))
+    _whole_outputs(llama, kw)
+
+
+def _whole_outputs(build: Callable[[], Any], kw: dict[str, Any]) -> None:
+    """``logits_to_keep=1`` and a direct call of the base model still see the whole sequence.
+
+    Catches the exit left ungathered outside a whole-model forward that keeps every logit
+    (the last token's logits would be a rank's last local token's; the base model's hidden
+    states would be half a sequence).
+    """
+    from colossal.core.testing import relative_error
+    from colossal.shardformer import ShardConfig, ShardFormer
+
+    b = {k: v for k, v in batch().items() if k != "labels"}
+    torch.manual_seed(0)
+    ref = build().eval()
+    torch.manual_seed(0)
+    model, _ = ShardFormer(ShardConfig(**kw)).optimize(build().eval())
+    with torch.no_grad():
+        assert model(**b).logits.shape[1] < b["input_ids"].shape[1]  # local logits first
+        got, want = model.model(**b).last_hidden_state, ref.model(**b).last_hidden_state
+        assert got.shape == want.shape and relative_error(got, want) <= RTOL, "base model"
+        got, want = model(**b, logits_to_keep=1).logits, ref(**b, logits_to_keep=1).logits
+        assert got.shape == want.shape and relative_error(got, want) <= RTOL, "logits_to_keep"
 
 
 def pipeline_cases(mesh: Any) -> None:

@@ -32,8 +32,9 @@ every parameter's gradient within 1e-4 relative norm error), and the longest seq
 trains within
 a per-rank memory budget (peak RSS of one training step, max over ranks; goal: ours >= CP's).
 Peak RSS is the kernel's ``VmHWM`` reset (``/proc/self/clear_refs``) right before the step,
-measured in fresh processes with ``MALLOC_MMAP_THRESHOLD_`` fixed so freed tensors go back to
-the OS and do not inflate the next measurement.
+measured in fresh processes for every length (memory an earlier step touched would count
+otherwise) with ``MALLOC_MMAP_THRESHOLD_`` fixed so that freed tensors leave the process; the
+lengths tried double from ``--sp-seq-grain`` until one does not fit, then bisect to the grain.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def reference(size: dict[str, int], seq: int) -> tuple[float, dict[str, torch.Te
     model = build_model(size, seq)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 
 
 def grad_error(model: nn.Module, grads: dict[str, torch.Tensor]) -> float:
@@ -320,48 +321,38 @@ def _next_probe(fits: int, fails: int, grain: int, max_seq: int) -> int | None:
     return max((fits + fails) // 2 // grain * grain, fits + grain)
 
 
-def memory_worker(
-    rank: int, world_size: int, name: str, args: Any, state: tuple[int, int, dict[int, int]]
-) -> tuple[int, int, dict[int, int]]:
-    """Continue the search for the longest sequence ``name`` trains within the budget.
+def memory_worker(rank: int, world_size: int, name: str, seq: int, args: Any) -> int:
+    """Peak RSS (bytes, max over ranks) of one training step of ``name`` at length ``seq``.
 
-    ``state`` is ``(longest length that fit, shortest that did not (0: none yet), measured
-    peak bytes by length)``. Lengths are tried in increasing order only: memory a longer step
-    touched may stay resident and would count in a shorter step's peak, so after a length
-    that does not fit (the next probe is shorter) this returns and the caller starts fresh
-    processes.
+    Each length runs in fresh processes: memory an earlier step touched (freed tensors the
+    allocator kept, caches) would otherwise count in this step's peak.
     """
     from colossal.core.comm import all_gather_object
 
-    fits, fails, measured = state
-    budget = args.sp_memory_mb * 2**20
-    while (seq := _next_probe(fits, fails, args.sp_seq_grain, args.sp_max_seq)) is not None:
-        trainer = make_trainer(name, args.sp_size, seq, world_size)
-        measured[seq] = max(all_gather_object(_peak_rss_of(trainer.step)))
-        del trainer
-        if measured[seq] > budget:
-            return fits, seq, measured
-        fits = seq
-    return fits, fails, measured
+    trainer = make_trainer(name, args.sp_size, seq, world_size)
+    return max(all_gather_object(_peak_rss_of(trainer.step)))
 
 
 def run_memory(args: Any, world_size: int) -> dict[str, dict[str, Any]]:
-    """Longest trainable sequence of each configuration, in fresh processes (no leftovers)."""
+    """Longest trainable sequence of each configuration: doubling, then bisection to the grain."""
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # fixed: freed tensors leave the process
     try:
         results = {}
         for name in CONFIGS:
-            state: tuple[int, int, dict[int, int]] = (0, 0, {})
+            fits, fails, measured = 0, 0, {}
+            budget = args.sp_memory_mb * 2**20
             try:
-                while _next_probe(*state[:2], args.sp_seq_grain, args.sp_max_seq) is not None:
-                    state = spawn(
-                        memory_worker, world_size, args=(name, args, state), timeout=3600
+                while (
+                    seq := _next_probe(fits, fails, args.sp_seq_grain, args.sp_max_seq)
+                ) is not None:
+                    measured[seq] = spawn(
+                        memory_worker, world_size, args=(name, seq, args), timeout=3600
                     )[0]
+                    fits, fails = (fits, seq) if measured[seq] > budget else (seq, fails)
             except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
                 results[name] = {"memory_error": f"{type(exc).__name__}: {exc}"[:300]}
                 continue
-            fits, fails, measured = state
             results[name] = {
                 "longest_seq": fits,
                 "capped": not fails,  # fit up to --sp-max-seq: the budget was not reached
@@ -419,7 +410,7 @@ def run_section(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
                         f"torch CP ({cp_len})",
                         ours_len if ours_len is not None else r.get("error", "no value"),
                         f">= {cp_len}",
-                        ours_len is not None and cp_len is not None and ours_len >= cp_len,
+                        ours_len is not None and cp_len is not None and ours_len >= cp_len > 0,
                     )
                 )
         for key, what, tol in (

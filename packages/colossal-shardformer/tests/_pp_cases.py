@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
+import _families as fam
 import torch
 from torch import nn
 
-VOCAB = 250
 NUM_LABELS = 3
 LAYERS = 4
 BATCH = 4
@@ -34,101 +33,61 @@ class PPCase:
 
 
 def _lm_batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    # ids from 2 up: no pad token (0 or 1) inside a sequence
+    return fam.lm_batch(pad=False, seq_len=SEQ, batch_size=BATCH, first_id=2)
 
 
 def _cls_batch() -> dict[str, torch.Tensor]:
-    batch = _lm_batch()
-    batch["input_ids"][1, -3:] = 0  # right padding: pooled at the last non-pad token
-    batch["attention_mask"][1, -3:] = 0
-    batch["labels"] = torch.tensor([0, 2, 1, 2])
-    return batch
+    # right padding: pooled at the last non-pad token
+    return fam.classification(_lm_batch(), labels=[0, 2, 1, 2], right_pad=3)
 
 
 def _mlm_batch() -> dict[str, torch.Tensor]:
-    batch = _lm_batch()
-    labels = torch.full_like(batch["labels"], -100)
-    labels[:, 2] = batch["input_ids"][:, 2]  # one masked token per sample: equal counts
-    labels[:, 5] = batch["input_ids"][:, 5]
-    batch["labels"] = labels
-    batch["token_type_ids"] = torch.zeros_like(labels)
+    batch = fam.masked_lm(_lm_batch(), positions=[2, 5])  # equal label counts per sample
+    batch["token_type_ids"] = torch.zeros_like(batch["labels"])
     return batch
 
 
 def _image_batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return {
-        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=gen),
-        "labels": torch.tensor([0, 2, 1, 1]),
-    }
+    return fam.images(size=16, labels=[0, 2, 1, 1], batch_size=BATCH)
 
 
-def _hf(cls_name: str, config_name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import transformers
-
-        config = getattr(transformers, config_name)(**kwargs)
-        return getattr(transformers, cls_name)(config)
-
-    return build
-
-
-GPT2 = dict(
-    vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=8, n_positions=64, resid_pdrop=0.0,
-    embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, num_labels=NUM_LABELS,
-)  # fmt: skip
-BERT = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
-    intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    max_position_embeddings=64, num_labels=NUM_LABELS,
-)  # fmt: skip
-_VIT = dict(
-    image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=LAYERS,
-    num_attention_heads=8, intermediate_size=128, hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0, num_labels=NUM_LABELS,
-)  # fmt: skip
-_OPT = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, ffn_dim=128,
-    num_attention_heads=8, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0,
-    attention_dropout=0.0, pad_token_id=1, num_labels=NUM_LABELS,
-)  # fmt: skip
-_BLOOM = dict(
-    vocab_size=VOCAB, hidden_size=64, n_layer=LAYERS, n_head=8, hidden_dropout=0.0,
-    attention_dropout=0.0, pad_token_id=0, num_labels=NUM_LABELS,
-)  # fmt: skip
+_SIZES = {"num_labels": NUM_LABELS}  # every family: LAYERS layers, 3 classes
+GPT2 = fam.config_kwargs("GPT2Config", n_layer=LAYERS, **_SIZES)
+BERT = fam.config_kwargs("BertConfig", num_hidden_layers=LAYERS, **_SIZES)
 DECODER = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+    vocab_size=fam.VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=64, num_hidden_layers=LAYERS,
     pad_token_id=0, num_labels=NUM_LABELS,
 )  # fmt: skip
+"""Llama / Qwen2 arguments (``_models``' tiny decoder with 4 layers and a pad token)."""
 
 _SEQ = "ForSequenceClassification"
+_DERIVED = {"layers": LAYERS, "pad_token_id": 0, **_SIZES}
 
 CASES: dict[str, PPCase] = {
     c.name: c
     for c in (
-        PPCase("gpt2-lm", _hf("GPT2LMHeadModel", "GPT2Config", **GPT2), _lm_batch, tied=True),
-        PPCase("gpt2-seqcls", _hf("GPT2" + _SEQ, "GPT2Config", **GPT2), _cls_batch),
-        PPCase("bert-mlm", _hf("BertForMaskedLM", "BertConfig", **BERT), _mlm_batch, tied=True),
-        PPCase("bert-seqcls", _hf("Bert" + _SEQ, "BertConfig", **BERT), _cls_batch),
-        PPCase("vit-imgcls", _hf("ViTForImageClassification", "ViTConfig", **_VIT), _image_batch),
-        PPCase("opt-lm", _hf("OPTForCausalLM", "OPTConfig", **_OPT), _lm_batch, tied=True),
-        PPCase("bloom-lm", _hf("BloomForCausalLM", "BloomConfig", **_BLOOM), _lm_batch, tied=True),
+        PPCase("gpt2-lm", fam.gpt2("GPT2LMHeadModel", **GPT2), _lm_batch, tied=True),
+        PPCase("gpt2-seqcls", fam.gpt2("GPT2" + _SEQ, **GPT2), _cls_batch),
+        PPCase("bert-mlm", fam.bert("BertForMaskedLM", **BERT), _mlm_batch, tied=True),
+        PPCase("bert-seqcls", fam.bert("Bert" + _SEQ, **BERT), _cls_batch),
         PPCase(
-            "llama-lm",
-            _hf("LlamaForCausalLM", "LlamaConfig", **DECODER, tie_word_embeddings=False),
-            _lm_batch,
+            "vit-imgcls",
+            fam.vit(image_size=16, num_hidden_layers=LAYERS, **_SIZES),
+            _image_batch,
         ),
+        PPCase("opt-lm", fam.opt(num_hidden_layers=LAYERS, **_SIZES), _lm_batch, tied=True),
+        PPCase("bloom-lm", fam.bloom(n_layer=LAYERS, **_SIZES), _lm_batch, tied=True),
+        PPCase("llama-lm", fam.derived("tiny_llama_config", **_DERIVED), _lm_batch),
         PPCase(
             "llama-seqcls",
-            _hf("Llama" + _SEQ, "LlamaConfig", **DECODER),
+            fam.derived("tiny_llama_config", "Llama" + _SEQ, **_DERIVED),
             _cls_batch,
         ),
         PPCase(
             "qwen2-lm-tied",
-            _hf("Qwen2ForCausalLM", "Qwen2Config", **DECODER, tie_word_embeddings=True),
+            fam.derived("tiny_qwen2_config", "Qwen2ForCausalLM", **_DERIVED),
             _lm_batch,
             tied=True,
         ),

@@ -1,9 +1,11 @@
 """Shared cases of the attention sequence-parallel modes (``all_to_all``, ``ring_attn``).
 
-Tiny fp32 models of every family whose attention goes through transformers'
-``AttentionInterface`` (GPT-2, BERT, ViT, OPT; Llama and Qwen2 through their derived
-policies) with every dropout 0, and :func:`check_family`: ``reference_check`` with the mode
-on, ``SequenceParallelGradSync`` after each backward, everything at relative error <= 1e-5.
+The tiny fp32 models (from ``_families``) of every family whose attention goes through
+transformers' ``AttentionInterface`` (GPT-2, BERT, ViT, OPT; Llama and Qwen2 through their
+derived policies), :func:`reference_attention` (SDPA over the whole sequence, the reference
+of the ring and Ulysses attentions alone), and :func:`check_family`: ``reference_check``
+with the mode on, ``SequenceParallelGradSync`` after each backward, everything at relative
+error <= 1e-5.
 
 A causal LM with ``parallel_output=True`` returns this rank's tokens' logits (layout order):
 :func:`full_logits` places every rank's logits at their ``token_indices`` so they compare
@@ -18,100 +20,91 @@ from typing import Any
 
 import torch
 
+# The tiny models live in ``_families``; re-exported for the SP tests (``c.gpt2()``, ...).
+from _families import bert, bloom, derived, gpt2, opt, vit  # noqa: F401
+
 RTOL = 1e-5
-VOCAB = 250
 
 
 def batch(pad: bool = True, seq_len: int = 8) -> dict[str, torch.Tensor]:
     """A causal LM batch (row 1 left-padded when ``pad``)."""
-    from _models import causal_lm_batch
+    from _families import lm_batch
 
-    return causal_lm_batch(VOCAB, batch_size=2, seq_len=seq_len, pad=pad, seed=1234)
-
-
-def hf(cls_name: str, config_name: str, **kwargs: Any) -> Callable[[], Any]:
-    """A builder of ``transformers.<cls_name>(<config_name>(**kwargs))``."""
-
-    def build() -> Any:
-        import transformers
-
-        return getattr(transformers, cls_name)(getattr(transformers, config_name)(**kwargs))
-
-    return build
-
-
-def gpt2(cls_name: str = "GPT2LMHeadModel", n_layer: int = 2) -> Callable[[], Any]:
-    """Tiny GPT-2 (8 heads, tied LM head)."""
-    return hf(
-        cls_name, "GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=n_layer, n_head=8,
-        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
-    )  # fmt: skip
-
-
-def bert() -> Callable[[], Any]:
-    """Tiny BERT masked LM (bidirectional)."""
-    return hf(
-        "BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=8, intermediate_size=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, max_position_embeddings=64,
-    )  # fmt: skip
-
-
-def vit(image_size: int = 12) -> Callable[[], Any]:
-    """Tiny ViT classifier: ``(image_size / 4) ** 2`` patches + [CLS] tokens."""
-    return hf(
-        "ViTForImageClassification", "ViTConfig", image_size=image_size, patch_size=4,
-        num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )  # fmt: skip
-
-
-def opt() -> Callable[[], Any]:
-    """Tiny OPT causal LM."""
-    return hf(
-        "OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-        ffn_dim=128, num_attention_heads=8, max_position_embeddings=64, word_embed_proj_dim=64,
-        dropout=0.0, attention_dropout=0.0, pad_token_id=1,
-    )  # fmt: skip
-
-
-def bloom() -> Callable[[], Any]:
-    """Tiny Bloom (ALiBi attention)."""
-    return hf(
-        "BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=64, n_layer=2,
-        n_head=8, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0,
-    )  # fmt: skip
-
-
-def derived(config_fn: str, cls_name: str = "LlamaForCausalLM", **overrides: Any) -> Any:
-    """A model of ``_models.<config_fn>`` (Llama / Qwen2, policies derived from their plan)."""
-
-    def build() -> Any:
-        import _models
-        import transformers
-
-        return getattr(transformers, cls_name)(getattr(_models, config_fn)(2, **overrides))
-
-    return build
+    return lm_batch(pad=pad, seq_len=seq_len)
 
 
 def mlm(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``b`` with every other label ignored (a masked-LM batch)."""
-    out = dict(b)
-    labels = out["labels"].clone()
-    labels[:, ::2] = -100
-    out["labels"] = labels
-    return out
+    from _families import masked_lm
+
+    return masked_lm(b)
 
 
 def pixels() -> dict[str, torch.Tensor]:
     """Two 12x12 images and their labels."""
-    gen = torch.Generator().manual_seed(7)
-    return {
-        "pixel_values": torch.randn(2, 3, 12, 12, generator=gen),
-        "labels": torch.tensor([0, 2]),
-    }
+    from _families import images
+
+    return images()
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: bool
+) -> torch.Tensor:
+    """SDPA over the whole sequence: the single-process reference of the SP attentions.
+
+    ``k`` / ``v`` may hold fewer heads (grouped-query attention: repeated here); ``mask`` is
+    None, a 2-D padding mask (combined with the causal mask when ``causal``) or a 4-D mask.
+    """
+    from torch.nn import functional as F  # noqa: N812
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if mask.dim() == 2:
+        keep = mask.bool()[:, None, None, :]
+        if causal:
+            s = q.shape[2]
+            keep = keep & torch.ones(s, s, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def reference_case(
+    seed: int,
+    mask: Any,
+    causal: bool,
+    hk: int = 4,
+    shape: tuple[int, int, int, int] = (2, 4, 16, 8),
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Random q, k, v of one whole sequence and their :func:`reference_attention`.
+
+    ``shape`` is ``(batch, query heads, sequence, head dim)``; k and v have ``hk`` heads.
+    Returns ``(full, w, ref)``: the q, k, v leaves (their ``.grad`` is the gradient of
+    ``(ref * w).sum()``), the random output weight ``w`` and the output ``ref``.
+    """
+    b, hq, s, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen) for h in (hq, hk, hk))
+    w = torch.randn(b, hq, s, d, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*full, mask, causal)
+    (ref * w).sum().backward()
+    return full, w, ref
+
+
+def check_slice(
+    out: torch.Tensor, local: list[torch.Tensor], full: list[torch.Tensor], ref: torch.Tensor,
+    mine: torch.Tensor, what: str,
+) -> None:  # fmt: skip
+    """A rank's output and q/k/v gradients equal the reference's at its tokens ``mine``."""
+    from colossal.core.testing import relative_error
+
+    errors = {"out": relative_error(out, ref[:, :, mine])}
+    for label, got, want in zip("qkv", local, full, strict=True):
+        errors[f"d{label}"] = relative_error(got.grad, want.grad[:, :, mine])
+    bad = {key: e for key, e in errors.items() if not e <= RTOL}
+    assert not bad, f"{what}: {bad}"
 
 
 def sync(model: torch.nn.Module) -> None:
@@ -327,9 +320,7 @@ def pipeline_cases(mesh: Any) -> None:
     the head chunk is prepared after it). Loss on the last stage and every gradient, after
     the schedule and ``SequenceParallelGradSync``, equal the unsharded model's.
     """
-    import _models
     import torch.distributed as dist
-    import transformers
     from torch import nn
 
     from colossal.core import sharded_view
@@ -345,8 +336,8 @@ def pipeline_cases(mesh: Any) -> None:
     b = batch(pad=False)  # microbatches of equal token counts: their mean is the batch's
     cases = (
         ("Llama 1F1B all_to_all", derived("tiny_llama_config"), "all_to_all", False),
-        ("Qwen2 tied ZB-V ring_attn",
-         lambda: transformers.Qwen2ForCausalLM(_models.tiny_qwen2_config(4)), "ring_attn", True),
+        ("Qwen2 tied ZB-V ring_attn", derived("tiny_qwen2_config", "Qwen2ForCausalLM", layers=4),
+         "ring_attn", True),
     )  # fmt: skip
     for what, build, mode, zbv in cases:
         torch.manual_seed(0)

@@ -26,25 +26,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import _families as fam
 import torch
 
 from colossal.core.testing import distributed_test
 
 RTOL = 1e-5
-VOCAB = 250
 NUM_LABELS = 3
+TINY = {"num_labels": NUM_LABELS}
+"""Overrides of ``_families``' tiny configs (every head here has 3 classes)."""
 
 
-def _batch(seed: int = 1234, pad: bool = True, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
-    from _models import causal_lm_batch
-
-    return causal_lm_batch(vocab, batch_size=2, seq_len=8, pad=pad, seed=seed)
+def _batch(seed: int = 1234, pad: bool = True) -> dict[str, torch.Tensor]:
+    return fam.lm_batch(pad=pad, seed=seed)
 
 
 def _cls_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: v for k, v in batch.items() if k != "labels"}
-    out["labels"] = torch.tensor([1, 2])
-    return out
+    return fam.classification(batch, labels=[1, 2])
 
 
 def _no_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -118,26 +116,8 @@ def _check(
 # --------------------------------------------------------------------------------- GPT-2
 
 
-def _gpt2(cls_name: str, **overrides: Any) -> Any:
-    def build() -> Any:
-        import transformers
-
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=64,
-            n_layer=2,
-            n_head=8,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            pad_token_id=0,
-            num_labels=NUM_LABELS,
-            **overrides,
-        )
-        return getattr(transformers, cls_name)(config)
-
-    return build
+def _gpt2(cls_name: str) -> Any:
+    return fam.gpt2(cls_name, **TINY)
 
 
 @distributed_test(2)
@@ -196,25 +176,8 @@ def _check_bf16(build: Any, batch: dict[str, torch.Tensor], what: str) -> None:
 # --------------------------------------------------------------------------------- BERT
 
 
-def _bert(cls_name: str, **overrides: Any) -> Any:
-    def build() -> Any:
-        import transformers
-
-        config = transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            max_position_embeddings=64,
-            num_labels=NUM_LABELS,
-            **overrides,
-        )
-        return getattr(transformers, cls_name)(config)
-
-    return build
+def _bert(cls_name: str) -> Any:
+    return fam.bert(cls_name, **TINY)
 
 
 @distributed_test(2)
@@ -222,10 +185,7 @@ def test_bert(rank: int, world_size: int) -> None:
     """BertModel, BertForMaskedLM (tied decoder + bias, vocab-parallel CE), seq. classification."""
     batch = _batch(pad=True)
     _check(_bert("BertModel"), _no_labels(batch), "BertModel")
-    mlm = dict(batch)
-    labels = mlm["labels"].clone()
-    labels[:, ::2] = -100  # masked-LM: only some positions carry a label, no shift
-    mlm["labels"] = labels
+    mlm = fam.masked_lm(batch)  # only some positions carry a label, no shift
     report = _check(_bert("BertForMaskedLM"), mlm, "BertForMaskedLM")
     assert "cls.predictions.decoder.weight" not in report.grads  # tied to word_embeddings
     assert "bert.embeddings.word_embeddings.weight" in report.sharded
@@ -244,37 +204,20 @@ def test_bert(rank: int, world_size: int) -> None:
 
 
 def _vit(cls_name: str) -> Any:
-    def build() -> Any:
-        import transformers
-
-        config = transformers.ViTConfig(
-            image_size=16,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            num_labels=NUM_LABELS,
-        )
-        return getattr(transformers, cls_name)(config)
-
-    return build
+    return fam.vit(cls_name, image_size=16, **TINY)
 
 
 @distributed_test(2)
 def test_vit(rank: int, world_size: int) -> None:
     """ViTModel and ViTForImageClassification (5.x module names: layers, q/k/v/o_proj, mlp)."""
-    gen = torch.Generator().manual_seed(7)
-    pixels = torch.randn(2, 3, 16, 16, generator=gen)
-    report = _check(_vit("ViTModel"), {"pixel_values": pixels}, "ViTModel")
+    images = fam.images(size=16, labels=[0, 2])
+    pixels = {"pixel_values": images["pixel_values"]}
+    report = _check(_vit("ViTModel"), pixels, "ViTModel")
     assert "layers.0.attention.q_proj.weight" in report.sharded
     if world_size == 2:  # secondary heads and variants: TP 2 only (CI budget)
         _check(
             _vit("ViTForImageClassification"),
-            {"pixel_values": pixels, "labels": torch.tensor([0, 2])},
+            images,
             "ViTForImageClassification",
         )
 
@@ -283,26 +226,7 @@ def test_vit(rank: int, world_size: int) -> None:
 
 
 def _opt(cls_name: str, **overrides: Any) -> Any:
-    def build() -> Any:
-        import transformers
-
-        kwargs: dict[str, Any] = dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            ffn_dim=128,
-            num_attention_heads=8,
-            max_position_embeddings=64,
-            word_embed_proj_dim=64,
-            dropout=0.0,
-            attention_dropout=0.0,
-            pad_token_id=1,
-            num_labels=NUM_LABELS,
-        )
-        kwargs.update(overrides)
-        return getattr(transformers, cls_name)(transformers.OPTConfig(**kwargs))
-
-    return build
+    return fam.opt(cls_name, **TINY, **overrides)
 
 
 @distributed_test(2)
@@ -327,22 +251,7 @@ def test_opt(rank: int, world_size: int) -> None:
 
 
 def _bloom(cls_name: str) -> Any:
-    def build() -> Any:
-        import transformers
-
-        config = transformers.BloomConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            n_layer=2,
-            n_head=8,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            pad_token_id=0,
-            num_labels=NUM_LABELS,
-        )
-        return getattr(transformers, cls_name)(config)
-
-    return build
+    return fam.bloom(cls_name, **TINY)
 
 
 @distributed_test(2)

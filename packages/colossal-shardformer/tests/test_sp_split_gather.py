@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import _families as fam
 import pytest
 import torch
 
@@ -38,7 +39,6 @@ from colossal.core.testing import distributed_test
 
 RTOL = 1e-5
 UPDATE_RTOL = 1e-3  # a parameter's total change is a difference of nearby fp32 numbers
-VOCAB = 250
 SEQ = 8
 STEPS = 2
 ZERO_GRAD_SUFFIXES = ("key.bias", "k_proj.bias")  # exact gradient 0: compared absolutely
@@ -53,109 +53,7 @@ def _sync(model: torch.nn.Module) -> None:
 
 
 def _batch(pad: bool = True, seq_len: int = SEQ) -> dict[str, torch.Tensor]:
-    from _models import causal_lm_batch
-
-    return causal_lm_batch(VOCAB, batch_size=2, seq_len=seq_len, pad=pad, seed=1234)
-
-
-def _hf(cls_name: str, config_name: str, **kwargs: Any) -> Any:
-    def build() -> Any:
-        import transformers
-
-        config = getattr(transformers, config_name)(**kwargs)
-        return getattr(transformers, cls_name)(config)
-
-    return build
-
-
-def _gpt2(cls_name: str = "GPT2LMHeadModel", n_layer: int = 2) -> Any:
-    return _hf(
-        cls_name,
-        "GPT2Config",
-        vocab_size=VOCAB,
-        n_embd=64,
-        n_layer=n_layer,
-        n_head=8,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        pad_token_id=0,
-    )
-
-
-def _bert() -> Any:
-    return _hf(
-        "BertForMaskedLM",
-        "BertConfig",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        intermediate_size=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        max_position_embeddings=64,
-    )
-
-
-def _vit() -> Any:
-    # 12 / 4 = 3 x 3 patches + [CLS] = 10 tokens: divisible by SP 2.
-    return _hf(
-        "ViTForImageClassification",
-        "ViTConfig",
-        image_size=12,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        intermediate_size=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-
-
-def _opt() -> Any:
-    return _hf(
-        "OPTForCausalLM",
-        "OPTConfig",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        ffn_dim=128,
-        num_attention_heads=8,
-        max_position_embeddings=64,
-        word_embed_proj_dim=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=1,
-    )
-
-
-def _bloom() -> Any:
-    return _hf(
-        "BloomForCausalLM",
-        "BloomConfig",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        n_layer=2,
-        n_head=8,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        pad_token_id=0,
-    )
-
-
-def _derived(config_fn: str, cls_name: str = "LlamaForCausalLM", layers: int = 2) -> Any:
-    def build() -> Any:
-        import _models
-        import transformers
-
-        return getattr(transformers, cls_name)(getattr(_models, config_fn)(layers))
-
-    return build
+    return fam.lm_batch(pad=pad, seq_len=seq_len)
 
 
 def _check(
@@ -221,7 +119,7 @@ def _check_sync_matters() -> None:
     from colossal.shardformer.sequence import partial_grad_group
 
     report = reference_check(
-        _gpt2(), _batch(), shard_config_kwargs=dict(SP), steps=0, rtol=RTOL, check=False
+        fam.gpt2(), _batch(), shard_config_kwargs=dict(SP), steps=0, rtol=RTOL, check=False
     )
     # Catches a missing grad sync (or split_gather leaving norms on the whole sequence).
     assert report.grads["transformer.h.0.ln_1.weight"] > 1e-2, report.grads
@@ -232,7 +130,7 @@ def _check_sync_matters() -> None:
 
     from colossal.shardformer import ShardConfig, ShardFormer
 
-    model, _ = ShardFormer(ShardConfig(**SP)).optimize(_gpt2()())
+    model, _ = ShardFormer(ShardConfig(**SP)).optimize(fam.gpt2()())
     marked = {n for n, p in model.named_parameters() if partial_grad_group(p)[0]}
     expected = {
         n
@@ -247,7 +145,7 @@ def _check_refuses_odd_length() -> None:
     """A sequence the TP group cannot split raises the ValueError naming length and size."""
     from colossal.shardformer import ShardConfig, ShardFormer
 
-    model, _ = ShardFormer(ShardConfig(**SP)).optimize(_gpt2()())
+    model, _ = ShardFormer(ShardConfig(**SP)).optimize(fam.gpt2()())
     batch = _batch(seq_len=7)
     with pytest.raises(ValueError, match=r"sequence length 7 is not divisible by 2.*pad"):
         model(**batch)
@@ -260,23 +158,17 @@ def test_split_gather(rank: int, world_size: int) -> None:
     One spawn for all cases (CI budget): the per-process import and start-up cost dominates.
     """
     padded, causal = _batch(pad=True), _batch(pad=False)
-    _check(_gpt2(), padded, "GPT2LMHeadModel (padded)")
-    _check(_gpt2(), causal, "GPT2LMHeadModel (causal)", steps=0)
-    mlm = dict(padded)
-    labels = mlm["labels"].clone()
-    labels[:, ::2] = -100
-    mlm["labels"] = labels
-    _check(_bert(), mlm, "BertForMaskedLM (padded)")
-    gen = torch.Generator().manual_seed(7)
-    pixels = torch.randn(2, 3, 12, 12, generator=gen)
-    _check(_vit(), {"pixel_values": pixels, "labels": torch.tensor([0, 2])}, "ViT")
-    _check(_opt(), padded, "OPTForCausalLM (padded)")
-    _check(_bloom(), padded, "BloomForCausalLM (padded)")
+    _check(fam.gpt2(), padded, "GPT2LMHeadModel (padded)")
+    _check(fam.gpt2(), causal, "GPT2LMHeadModel (causal)", steps=0)
+    _check(fam.bert(), fam.masked_lm(padded), "BertForMaskedLM (padded)")
+    _check(fam.vit(), fam.images(), "ViT")  # 12 x 12: 9 patches + [CLS], divisible by SP 2
+    _check(fam.opt(), padded, "OPTForCausalLM (padded)")
+    _check(fam.bloom(), padded, "BloomForCausalLM (padded)")
     no_mask = {k: v for k, v in causal.items() if k != "attention_mask"}
-    _check(_bloom(), no_mask, "BloomForCausalLM (no mask)", steps=0)
-    _check(_derived("tiny_llama_config"), padded, "LlamaForCausalLM (padded)")
-    _check(_derived("tiny_llama_config"), causal, "LlamaForCausalLM (causal)", steps=0)
-    _check(_derived("tiny_qwen2_config", "Qwen2ForCausalLM"), padded, "Qwen2 (tied, padded)")
+    _check(fam.bloom(), no_mask, "BloomForCausalLM (no mask)", steps=0)
+    _check(fam.derived("tiny_llama_config"), padded, "LlamaForCausalLM (padded)")
+    _check(fam.derived("tiny_llama_config"), causal, "LlamaForCausalLM (causal)", steps=0)
+    _check(fam.derived("tiny_qwen2_config", "Qwen2ForCausalLM"), padded, "Qwen2 (tied, padded)")
     _check_sync_matters()
     _check_refuses_odd_length()
     _check_comm_volume(world_size)
@@ -322,8 +214,8 @@ def _check_comm_volume(world_size: int) -> None:
     volume = b * s * h * 4  # fp32 bytes of the full activations
     group = tuple(range(world_size))
     cases = {
-        "llama": lambda n: _derived("tiny_llama_config", "LlamaModel", n),
-        "gpt2": lambda n: _gpt2("GPT2Model", n),
+        "llama": lambda n: fam.derived("tiny_llama_config", "LlamaModel", layers=n),
+        "gpt2": lambda n: fam.gpt2("GPT2Model", n_layer=n),
     }
     for name, make in cases.items():
         one = _tracked_step(make(1), {"input_ids": ids}, group)

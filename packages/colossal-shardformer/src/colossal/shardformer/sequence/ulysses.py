@@ -1,9 +1,11 @@
 """Ulysses (``all_to_all``) sequence-parallel attention.
 
 Each rank of the sequence-parallel group holds the query, key and value of its own tokens for
-every head. One all-to-all per tensor trades that for all tokens of ``1/P`` of the heads; the
-attention then runs locally over the whole sequence with the full-length mask the model
-built, and one more all-to-all gives every rank its own tokens back for every head. Per layer
+every head. One all-to-all (q, k and v packed side by side in one buffer) trades that for all
+tokens of ``1/P`` of the heads; the attention then runs locally over the whole sequence with
+the full-length mask the model built, and one more all-to-all gives every rank its own tokens
+back for every head. Each direction costs one packing copy per tensor on the way out and one
+on the way back (the buffers are token-major so the received sequence needs no reordering). Per layer
 and rank the forward exchanges q, k, v and the output: ``4 * s * h / P`` elements with as many
 key/value heads as query heads (``(2 + 2 * Hk / Hq) * s * h / P`` with grouped-query
 attention, whose key/value heads are exchanged as they are, never repeated first); the
@@ -75,6 +77,116 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.group, ctx.size), None, None
 
 
+class _ExchangeQKV(torch.autograd.Function):
+    """q, k, v of this rank's tokens -> all tokens of this rank's heads, in ONE all-to-all.
+
+    The send buffer is ``[P, s/P, B, F]`` with ``F = (Hq + Hk) / P * D + Hk / P * Dv``: slice
+    ``j`` holds rank ``j``'s heads of q, k and v side by side, written with one strided copy
+    per tensor. Token-major (``s`` before ``B``) so the received ``[P, s/P, B, F]`` is already
+    the gathered sequence ``[s, B, F]`` and q, k, v are views of it (for any batch size).
+    With ``natural`` (a non-contiguous layout) one ``index_select`` puts all three in natural
+    token order. The backward packs the three gradients (scattering them back into gathered
+    order with ``index_copy_``) and runs the reverse exchange, again one call.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: Any,
+        size: int,
+        natural: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, hq, sl, d = q.shape
+        hk, dv = k.shape[1], v.shape[3]
+        widths = (hq // size * d, hk // size * d, hk // size * dv)
+        shapes = ((hq // size, d), (hk // size, d), (hk // size, dv))
+        send = q.new_empty(size, sl, b, sum(widths))
+        offset = 0
+        for t, w, (h, dd) in zip((q, k, v), widths, shapes, strict=True):
+            dst = send[..., offset : offset + w].unflatten(-1, (h, dd))  # [P, s/P, B, h, dd]
+            dst.copy_(t.unflatten(1, (size, h)).permute(1, 3, 0, 2, 4))
+            offset += w
+        got = _exchange(send, group).view(size * sl, b, -1)  # [s, B, F], gathered order
+        if natural is not None:
+            got = got.index_select(0, natural)
+        ctx.group, ctx.size, ctx.widths, ctx.shapes = group, size, widths, shapes
+        ctx.natural = natural
+        outs = []
+        offset = 0
+        for w, (h, dd) in zip(widths, shapes, strict=True):
+            part = got[..., offset : offset + w].unflatten(-1, (h, dd))  # [s, B, h, dd]
+            outs.append(part.permute(1, 2, 0, 3))  # [B, h, s, dd]
+            offset += w
+        return outs[0], outs[1], outs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        size, widths, shapes, natural = ctx.size, ctx.widths, ctx.shapes, ctx.natural
+        b, _, s, _ = grads[0].shape
+        sl = s // size
+        send = grads[0].new_empty(s, b, sum(widths))  # gathered order
+        offset = 0
+        for g, w, (h, dd) in zip(grads, widths, shapes, strict=True):
+            dst = send[..., offset : offset + w].unflatten(-1, (h, dd))  # [s, B, h, dd]
+            src = g.permute(2, 0, 1, 3)  # [s, B, h, dd], natural order
+            if natural is None:
+                dst.copy_(src)
+            else:
+                dst.index_copy_(0, natural, src)
+            offset += w
+        got = _exchange(send.view(size, sl, b, -1), ctx.group)  # [P, s/P, B, F]
+        results = []
+        offset = 0
+        for w, (h, dd) in zip(widths, shapes, strict=True):
+            full = send.new_empty(b, sl, size * h, dd)
+            src = got[..., offset : offset + w].unflatten(-1, (h, dd))  # [P, s/P, B, h, dd]
+            full.unflatten(2, (size, h)).copy_(src.permute(2, 1, 0, 3, 4))
+            results.append(full.transpose(1, 2))  # [B, H, s/P, dd]
+            offset += w
+        return results[0], results[1], results[2], None, None, None
+
+
+class _ExchangeOut(torch.autograd.Function):
+    """The attention output ``[B, s, H/P, Dv]`` -> ``[B, s/P, H, Dv]``, one all-to-all.
+
+    The send buffer ``[s, B, F] = [P, s/P, B, F]`` is one copy of the output (an
+    ``index_select`` into gathered order with ``positions``); the received slices are written
+    once into the returned contiguous ``[B, s/P, H, Dv]``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: torch.Tensor, group: Any, size: int, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, s, h, dv = out.shape
+        ctx.group, ctx.size, ctx.natural = group, size, None
+        src = out.transpose(0, 1)  # [s, B, h, Dv]
+        if positions is None:
+            send = src.contiguous()
+        else:
+            send = src.index_select(0, positions)
+            ctx.natural = torch.argsort(positions)
+        got = _exchange(send.view(size, s // size, b, h * dv), group)  # [P, s/P, B, F]
+        result = out.new_empty(b, s // size, size * h, dv)
+        result.unflatten(2, (size, h)).copy_(got.unflatten(-1, (h, dv)).permute(2, 1, 0, 3, 4))
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        size = ctx.size
+        b, sl, hh, dv = grad.shape
+        h = hh // size
+        send = grad.new_empty(size, sl, b, h, dv)
+        send.copy_(grad.unflatten(2, (size, h)).permute(2, 1, 0, 3, 4))
+        got = _exchange(send, ctx.group).view(size * sl, b, h, dv)  # gathered order
+        if ctx.natural is not None:
+            got = got.index_select(0, ctx.natural)
+        return got.transpose(0, 1), None, None, None
+
+
 def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[B, H, s/P, D]`` (this rank's tokens, all heads) -> ``[B, H/P, s, D]`` (differentiable).
 
@@ -143,17 +255,30 @@ def ulysses_attention_forward(
     from colossal.shardformer.attention import colossal_attention_forward
 
     group = dist.group.WORLD if group is None else group
-    q = seq_to_heads(query, group)
-    k = seq_to_heads(key, group)
-    v = seq_to_heads(value, group)
+    size = dist.get_world_size(group)
+    for name, t in (("query", query), ("key", key)):
+        if t.shape[1] % size:
+            raise ValueError(
+                f"Ulysses attention splits {t.shape[1]} heads over {size} sequence-parallel "
+                f"ranks ({name}); use a sequence-parallel size that divides the "
+                "(tensor-parallel local) head count"
+            )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is not None and attention_mask.dim() == 2 and not causal:
         # A key padding mask, as SDPA applies it (the kernels' padded kind would also zero
         # the padded queries' outputs).
         attention_mask = attention_mask.bool()[:, None, None, :]
     if positions is not None:
-        natural = torch.argsort(positions).to(q.device)
-        q, k, v = (t.index_select(2, natural) for t in (q, k, v))
+        positions = positions.to(query.device)
+    fused = size > 1 and query.dtype == key.dtype == value.dtype
+    if fused:
+        natural = None if positions is None else torch.argsort(positions)
+        q, k, v = _ExchangeQKV.apply(query, key, value, group, size, natural)
+    else:
+        q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
+        if positions is not None:
+            natural = torch.argsort(positions)
+            q, k, v = (t.index_select(2, natural) for t in (q, k, v))
     out, _ = colossal_attention_forward(
         module,
         q,
@@ -165,8 +290,10 @@ def ulysses_attention_forward(
         is_causal=causal,
         **kwargs,
     )  # [B, s, Hq/P, Dv]
+    if fused:
+        return _ExchangeOut.apply(out, group, size, positions), None
     out = out.transpose(1, 2)
     if positions is not None:
-        out = out.index_select(2, positions.to(out.device))
+        out = out.index_select(2, positions)
     out = heads_to_seq(out, group)
     return out.transpose(1, 2).contiguous(), None

@@ -61,6 +61,43 @@ def _runs(positions: torch.Tensor, chunks: int) -> list[_Run]:
     return [(a, b, pos[a]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
+_FULL = 1 << 62
+"""A merged block's query start: after every key, so the causal test finds it fully visible."""
+
+
+def _blocks(spec: _Mask, q_runs: list[_Run], k_runs: list[_Run]) -> list[tuple[_Run, _Run]]:
+    """The (query run, key run) blocks of one step, fully visible ones merged into rectangles.
+
+    Without a mask tensor, every key run a query run sees entirely needs no mask, so
+    locally adjacent such key runs become one block, and locally adjacent query runs with the
+    same fully visible key ranges share it (zigzag: ``P + 2`` kernel calls per rank and
+    direction instead of ``2P + 1``). A merged block's runs carry the global starts
+    ``(_FULL, 0)``, which every mask test reads as fully visible. Blocks the causal mask hides
+    are left out; partly visible ones stay per run pair.
+    """
+    out: list[tuple[_Run, _Run]] = []
+    groups: list[tuple[int, int, list[tuple[int, int]]]] = []  # (q start, q end, key ranges)
+    for qr in q_runs:
+        ranges: list[tuple[int, int]] = []
+        for kr in k_runs:
+            if spec.skipped(qr, kr):
+                continue
+            full = spec.mask is None and (not spec.causal or kr[2] + kr[1] - kr[0] - 1 <= qr[2])
+            if not full:
+                out.append((qr, kr))
+            elif ranges and ranges[-1][1] == kr[0]:
+                ranges[-1] = (ranges[-1][0], kr[1])
+            else:
+                ranges.append((kr[0], kr[1]))
+        if groups and groups[-1][1] == qr[0] and groups[-1][2] == ranges:
+            groups[-1] = (groups[-1][0], qr[1], ranges)
+        elif ranges:
+            groups.append((qr[0], qr[1], ranges))
+    for qa, qb, ranges in groups:
+        out.extend(((qa, qb, _FULL), (ka, kb, 0)) for ka, kb in ranges)
+    return out
+
+
 class _Mask:
     """The attention mask and the causal flag, cut to (query run, key run) blocks."""
 
@@ -215,6 +252,20 @@ def _block_backward(
     return dq, dk, dv
 
 
+def _merge(
+    acc: torch.Tensor, total: torch.Tensor, peak: torch.Tensor,
+    o: torch.Tensor, m: torch.Tensor, l_: torch.Tensor,
+) -> None:  # fmt: skip
+    """Fold one block's ``(o, m, l)`` into the running ``(acc, total, peak)`` views, in place."""
+    new = torch.maximum(peak, m)
+    safe = torch.nan_to_num(new, neginf=0.0)  # a query that has seen no key yet
+    keep = torch.sub(peak, safe).exp_()
+    add = m.sub(safe).exp_()
+    acc.mul_(keep.unsqueeze(-1)).addcmul_(o, add.unsqueeze(-1))
+    total.mul_(keep).addcmul_(l_, add)
+    peak.copy_(new)
+
+
 class _Ring:
     """The ring over a process group: this rank, its neighbours and the block exchange."""
 
@@ -291,22 +342,12 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 nxt, works = ring.start(cur)  # the next block travels while this one computes
             kb, vb = (t.float() for t in _unpack(cur, (k, v)))
-            for qr in q_runs:
-                qs = slice(qr[0], qr[1])
-                for kr in kv_runs[src]:
-                    if spec.skipped(qr, kr):
-                        continue
-                    ks = slice(kr[0], kr[1])
-                    o, m, l_ = _block_forward(
-                        qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], scale, spec, qr, kr
-                    )
-                    old = peak[..., qs]
-                    new = torch.maximum(old, m)
-                    safe = _finite(new, 0.0)
-                    keep, add = torch.exp(old - safe), torch.exp(m - safe)
-                    acc[..., qs, :] = acc[..., qs, :] * keep.unsqueeze(-1) + o * add.unsqueeze(-1)
-                    total[..., qs] = total[..., qs] * keep + l_ * add
-                    peak[..., qs] = new
+            for qr, kr in _blocks(spec, q_runs, kv_runs[src]):
+                qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
+                o, m, l_ = _block_forward(
+                    qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], scale, spec, qr, kr
+                )
+                _merge(acc[..., qs, :], total[..., qs], peak[..., qs], o, m, l_)
             if works:
                 _wait(works)
                 cur = nxt
@@ -345,20 +386,16 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = (t.float() for t in _unpack(cur, (k, v)))
             share = torch.zeros(numel, dtype=torch.float32, device=q.device)
             dkb, dvb = _unpack(share, (k, v))
-            for qr in ctx.q_runs:
-                qs = slice(qr[0], qr[1])
-                for kr in ctx.kv_runs[src]:
-                    if spec.skipped(qr, kr):
-                        continue
-                    ks = slice(kr[0], kr[1])
-                    g_q, g_k, g_v = _block_backward(
-                        qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
-                        dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
-                        delta[..., qs], scale, spec, qr, kr,
-                    )  # fmt: skip
-                    dq[..., qs, :] += g_q
-                    dkb[..., ks, :] += g_k
-                    dvb[..., ks, :] += g_v
+            for qr, kr in _blocks(spec, ctx.q_runs, ctx.kv_runs[src]):
+                qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
+                g_q, g_k, g_v = _block_backward(
+                    qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
+                    dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
+                    delta[..., qs], scale, spec, qr, kr,
+                )  # fmt: skip
+                dq[..., qs, :] += g_q
+                dkb[..., ks, :] += g_k
+                dvb[..., ks, :] += g_v
             _wait(pending)  # the block's gradient from the ranks before (overlapped above)
             share += dkv
             if ring.size > 1:  # it follows the block to the next rank; the next one arrives

@@ -102,6 +102,75 @@ def _direct(rank: int, world_size: int) -> None:
         _case(rank, world_size, f"{name} (matmul path)", mask, True, hk=2, fused=False)
 
 
+def _rotation(name: str) -> Any:
+    """Run the ring attention with key/value rotation ``name`` inside the ``with`` block."""
+    import contextlib
+
+    from colossal.shardformer.sequence import ring
+
+    @contextlib.contextmanager
+    def use() -> Any:
+        old, ring._ROTATE = ring._ROTATE, name
+        try:
+            yield
+        finally:
+            ring._ROTATE = old
+
+    return use()
+
+
+def _comm_allgather(rank: int, world_size: int) -> None:
+    """All-gather rotation: one all-gather of the key/value blocks forward; backward gathers
+    them again and returns the gradients in one all-to-all; no point-to-point traffic.
+
+    Catches an extra or missing collective (e.g. a per-block exchange left over), the
+    gradients reduced with more traffic than one all-to-all, and the own block's compute not
+    overlapping the gather (the gather waited for before computing).
+    """
+    import colossal.core.comm as comm
+    from colossal.core import CommTracker
+    from colossal.shardformer.sequence import ring
+    from colossal.shardformer.sequence.layout import token_indices
+
+    b, h, s, d = 1, 2, 8, 4
+    q, k, v = (torch.randn(b, h, s // world_size, d, requires_grad=True) for _ in range(3))
+    positions = [token_indices(s, r, world_size, "zigzag") for r in range(world_size)]
+    kv_bytes = 2 * k.numel() * 4
+    with CommTracker() as fwd:
+        out = ring.ring_attention(q, k, v, positions)
+    with CommTracker() as bwd:
+        out.sum().backward()
+    assert fwd.calls("send") == bwd.calls("send") == 0
+    assert fwd.calls("all_gather") == bwd.calls("all_gather") == 1
+    assert fwd.calls("all_to_all") == 0 and bwd.calls("all_to_all") == 1
+    assert bwd.bytes("all_to_all") == world_size * kv_bytes  # every rank's share, fp32
+
+    events: list[str] = []
+    originals = (comm.all_gather, ring._block_forward, ring._wait)
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        events.append("start")
+        return originals[0](*args, **kwargs)
+
+    def compute(*args: Any) -> Any:
+        events.append("compute")
+        return originals[1](*args)
+
+    def wait(works: Any) -> None:
+        events.append("wait")
+        originals[2](works)
+
+    comm.all_gather, ring._block_forward, ring._wait = start, compute, wait
+    try:
+        ring.ring_attention(q, k, v, positions)
+    finally:
+        comm.all_gather, ring._block_forward, ring._wait = originals
+    # The own block's calls (3 in zigzag) between the start and the wait, the others after.
+    assert events[:4] == ["start", "compute", "compute", "compute"], events
+    assert events[4] == "wait" and events.count("compute") == world_size + 2, events
+    assert events.count("start") == events.count("wait") == 1, events
+
+
 def _comm(rank: int, world_size: int) -> None:
     """The key/value block hops P-1 times forward; backward adds P hops of its gradient."""
     from colossal.core import CommTracker
@@ -228,7 +297,10 @@ def _families(rank: int, world_size: int) -> None:
 def test_ring(rank: int, world_size: int) -> None:
     """SP 2: the ring alone (masks, GQA, layouts, skipped blocks), comm, every family."""
     _direct(rank, world_size)
-    _comm(rank, world_size)
+    _comm_allgather(rank, world_size)
+    with _rotation("ring"):
+        _direct(rank, world_size)
+        _comm(rank, world_size)
     _refusals()
     _families(rank, world_size)
 
@@ -250,6 +322,8 @@ def test_attention_modes_world4(rank: int, world_size: int) -> None:
     from colossal.core import ProcessGroupMesh
 
     _direct(rank, world_size)
+    with _rotation("ring"):
+        _direct(rank, world_size)
     mesh = ProcessGroupMesh(2, 2, axis_names=("sp", "tp"))
     sp, tp = mesh.get_group_along_axis("sp"), mesh.get_group_along_axis("tp")
     for mode in ("all_to_all", "ring_attn"):

@@ -1,8 +1,11 @@
 """Ring attention (``ring_attn``): key/value blocks travel around the sequence-parallel group.
 
-Every rank keeps the queries of its own tokens; the key/value block of each rank visits every
-other rank once (``P - 1`` hops), the exchange of the next block overlapping the attention
-over the current one (asynchronous send/receive through :mod:`colossal.core.comm`). Blocks
+Every rank keeps the queries of its own tokens; the key/value block of each rank reaches every
+other rank. By default (``_ROTATE = "allgather"``, PyTorch context parallelism's choice) one
+asynchronous all-gather fetches all blocks while the rank computes on its own block; with
+``"ring"`` the blocks travel ``P - 1`` neighbour hops, the exchange of the next block
+overlapping the attention over the current one (asynchronous send/receive through
+:mod:`colossal.core.comm`). Fully visible block pairs are merged into one kernel call. Blocks
 are merged with the online softmax: each block's unnormalized output and sum of
 exponentials are rescaled to the running maximum score and added (kept apart rather than as
 one log-sum-exp, which loses the block sizes next to a large additive mask value), so the
@@ -22,17 +25,18 @@ causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive
 (used as it is, like SDPA), each cut to the block of positions at hand. A query that may see
 no key gets a zero output and zero gradients, as SDPA gives.
 
-Backward runs the ring again: key/value blocks travel the same way, and behind them the
-gradients of those blocks, which every rank adds its share to (the gradient so far arrives
-while the rank computes its share); after ``P`` hops each block's gradient is back on its
-owner. Attention dropout is not supported.
+Backward fetches the key/value blocks again the same way. All-gather: every rank computes its
+share of every block's gradient and one all-to-all returns the shares to the owners, who sum
+them. Ring: behind the blocks travel the gradients of those blocks, which every rank adds its
+share to (the gradient so far arrives while the rank computes its share); after ``P`` hops
+each block's gradient is back on its owner. Attention dropout is not supported.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -157,6 +161,11 @@ def _scores(
 def _finite(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isneginf(x), torch.full_like(x, fill), x)
 
+
+_ROTATE = "allgather"
+"""How key/value blocks reach every rank: ``"allgather"`` (one all-gather forward and
+backward, one all-to-all of the key/value gradients; like PyTorch's context parallelism) or
+``"ring"`` (``P - 1`` neighbour hops, the gradients travelling behind the blocks)."""
 
 _FUSED = True
 """Use PyTorch's CPU flash-attention kernel for blocks on CPU (False: the matmul path)."""
@@ -292,6 +301,39 @@ class _Ring:
         )
         return recv, works
 
+    def gather(self, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Start gathering every rank's ``send`` into a new ``[P, numel]`` buffer (rank order)."""
+        from colossal.core.comm import all_gather
+
+        buf = send.new_empty(self.size, send.numel())
+        work = all_gather(buf.view(-1), send, self.group, async_op=True, algorithm="native")
+        return buf, [work]
+
+
+def _kv_blocks(ring: _Ring, cur: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """Every rank's packed key/value block, this rank's first: ``(source rank, block)``.
+
+    ``_ROTATE == "allgather"``: one all-gather, started before this rank's own block is
+    yielded (computed on) and waited for after it. ``"ring"``: ``P - 1`` hops, the next one
+    in flight while the current block is computed on.
+    """
+    if _ROTATE == "allgather" and ring.size > 1:
+        buf, works = ring.gather(cur)
+        yield ring.rank, cur
+        _wait(works)
+        for step in range(1, ring.size):
+            src = (ring.rank - step) % ring.size
+            yield src, buf[src]
+        return
+    for step in range(ring.size):
+        works = []
+        if step < ring.size - 1:
+            nxt, works = ring.start(cur)  # the next block travels while this one computes
+        yield (ring.rank - step) % ring.size, cur
+        if works:
+            _wait(works)
+            cur = nxt
+
 
 def _wait(works: list[Any]) -> None:
     for w in works:
@@ -335,12 +377,7 @@ class _RingAttention(torch.autograd.Function):
         acc = qg.new_zeros(b, hk, r, sq, v.shape[-1])  # unnormalized output
         peak = qg.new_full((b, hk, r, sq), float("-inf"))  # running max score
         total = qg.new_zeros(b, hk, r, sq)  # running sum of exp(score - peak)
-        cur = _pack(k, v)
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            works: list[Any] = []
-            if step < ring.size - 1:
-                nxt, works = ring.start(cur)  # the next block travels while this one computes
+        for src, cur in _kv_blocks(ring, _pack(k, v)):
             kb, vb = (t.float() for t in _unpack(cur, (k, v)))
             for qr, kr in _blocks(spec, q_runs, kv_runs[src]):
                 qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
@@ -348,9 +385,6 @@ class _RingAttention(torch.autograd.Function):
                     qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], scale, spec, qr, kr
                 )
                 _merge(acc[..., qs, :], total[..., qs], peak[..., qs], o, m, l_)
-            if works:
-                _wait(works)
-                cur = nxt
         seen = total > 0
         out = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
         peak = _finite(peak, 0.0)
@@ -372,6 +406,10 @@ class _RingAttention(torch.autograd.Function):
         dout = grad.float().reshape(out.shape)
         delta = (dout * out).sum(-1)  # [B, Hk, R, sq]
         dq = torch.zeros_like(qg)
+        if _ROTATE == "allgather" and ring.size > 1:
+            dkv = _gathered_backward(ctx, ring, qg, dq, dout, delta)
+            dk, dvv = _unpack(dkv, (k, v))
+            return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), *[None] * 6
         cur = _pack(k, v)
         numel = k.numel() + v.numel()
         # dkv: the gradient so far of the block this step works on, received from the
@@ -418,6 +456,39 @@ class _RingAttention(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _gathered_backward(
+    ctx: Any, ring: _Ring, qg: torch.Tensor, dq: torch.Tensor, dout: torch.Tensor,
+    delta: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The all-gather backward: every block's share computed here, then one all-to-all.
+
+    The key/value blocks are gathered again (overlapping this rank's own block); the shares of
+    the gradients of every rank's block go back to their owners in one all-to-all, summed
+    there. Adds into ``dq``; returns this rank's packed (fp32) key/value gradient.
+    """
+    from colossal.core.comm import all_to_all
+
+    q, k, v, out, lse, peak, inv = ctx.saved_tensors[:7]
+    spec, scale = ctx.spec, ctx.scale
+    shares = torch.zeros(ring.size, k.numel() + v.numel(), dtype=torch.float32, device=q.device)
+    for src, cur in _kv_blocks(ring, _pack(k, v)):
+        kb, vb = (t.float() for t in _unpack(cur, (k, v)))
+        dkb, dvb = _unpack(shares[src], (k, v))
+        for qr, kr in _blocks(spec, ctx.q_runs, ctx.kv_runs[src]):
+            qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
+            g_q, g_k, g_v = _block_backward(
+                qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
+                dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
+                delta[..., qs], scale, spec, qr, kr,
+            )  # fmt: skip
+            dq[..., qs, :] += g_q
+            dkb[..., ks, :] += g_k
+            dvb[..., ks, :] += g_v
+    got = torch.empty_like(shares)
+    all_to_all(got, shares, group=ring.group)  # got[j]: rank j's share of this rank's block
+    return got.sum(0)
 
 
 def ring_attention(

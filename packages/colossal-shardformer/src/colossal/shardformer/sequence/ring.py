@@ -398,52 +398,38 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse, peak, inv = ctx.saved_tensors[:7]
-        spec, scale = ctx.spec, ctx.scale
+        q, k, v, out = ctx.saved_tensors[:4]
         ring = _Ring(ctx.group)
         b, hk, r, sq, dv = out.shape
         qg = q.float().reshape(b, hk, r, sq, q.shape[-1])
         dout = grad.float().reshape(out.shape)
         delta = (dout * out).sum(-1)  # [B, Hk, R, sq]
         dq = torch.zeros_like(qg)
-        if _ROTATE == "allgather" and ring.size > 1:
-            dkv = _gathered_backward(ctx, ring, qg, dq, dout, delta)
-            dk, dvv = _unpack(dkv, (k, v))
-            return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), *[None] * 6
-        cur = _pack(k, v)
         numel = k.numel() + v.numel()
-        # dkv: the gradient so far of the block this step works on, received from the
+        gather = _ROTATE == "allgather" and ring.size > 1
+        shares = torch.zeros(ring.size if gather else 0, numel, device=q.device)
+        # Ring: dkv is the gradient so far of the block this step works on, received from the
         # previous rank while this rank computed its own share (zero for its own block).
         dkv = torch.zeros(numel, dtype=torch.float32, device=q.device)
         pending: list[Any] = []
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            works: list[Any] = []
-            if step < ring.size - 1:
-                nxt, works = ring.start(cur)
-            kb, vb = (t.float() for t in _unpack(cur, (k, v)))
-            share = torch.zeros(numel, dtype=torch.float32, device=q.device)
-            dkb, dvb = _unpack(share, (k, v))
-            for qr, kr in _blocks(spec, ctx.q_runs, ctx.kv_runs[src]):
-                qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
-                g_q, g_k, g_v = _block_backward(
-                    qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
-                    dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
-                    delta[..., qs], scale, spec, qr, kr,
-                )  # fmt: skip
-                dq[..., qs, :] += g_q
-                dkb[..., ks, :] += g_k
-                dvb[..., ks, :] += g_v
+        for src, cur in _kv_blocks(ring, _pack(k, v)):
+            share = shares[src] if gather else torch.zeros_like(dkv)
+            _block_shares(ctx, src, cur, (qg, dq, dout, delta), share)
+            if gather:
+                continue
             _wait(pending)  # the block's gradient from the ranks before (overlapped above)
             share += dkv
             if ring.size > 1:  # it follows the block to the next rank; the next one arrives
                 dkv, pending = ring.start(share)
             else:
                 dkv = share
-            if works:
-                _wait(works)
-                cur = nxt
-        _wait(pending)  # after P hops: this rank's own block, every rank's share summed
+        if gather:  # every rank's share of this rank's block, in one all-to-all
+            from colossal.core.comm import all_to_all
+
+            got = torch.empty_like(shares)
+            all_to_all(got, shares, group=ring.group)
+            dkv = got.sum(0)
+        _wait(pending)  # ring: after P hops, this rank's own block, every share summed
         dk, dvv = _unpack(dkv, (k, v))
         return (
             dq.reshape(q.shape).to(q.dtype),
@@ -458,37 +444,27 @@ class _RingAttention(torch.autograd.Function):
         )
 
 
-def _gathered_backward(
-    ctx: Any, ring: _Ring, qg: torch.Tensor, dq: torch.Tensor, dout: torch.Tensor,
-    delta: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The all-gather backward: every block's share computed here, then one all-to-all.
+def _block_shares(
+    ctx: Any, src: int, cur: torch.Tensor, grads: tuple[torch.Tensor, ...], share: torch.Tensor
+) -> None:
+    """Add this rank's queries' share of rank ``src``'s key/value block gradient to ``share``.
 
-    The key/value blocks are gathered again (overlapping this rank's own block); the shares of
-    the gradients of every rank's block go back to their owners in one all-to-all, summed
-    there. Adds into ``dq``; returns this rank's packed (fp32) key/value gradient.
+    ``cur``: that packed block; ``grads``: ``(qg, dq, dout, delta)``, ``dq`` accumulated into.
     """
-    from colossal.core.comm import all_to_all
-
     q, k, v, out, lse, peak, inv = ctx.saved_tensors[:7]
-    spec, scale = ctx.spec, ctx.scale
-    shares = torch.zeros(ring.size, k.numel() + v.numel(), dtype=torch.float32, device=q.device)
-    for src, cur in _kv_blocks(ring, _pack(k, v)):
-        kb, vb = (t.float() for t in _unpack(cur, (k, v)))
-        dkb, dvb = _unpack(shares[src], (k, v))
-        for qr, kr in _blocks(spec, ctx.q_runs, ctx.kv_runs[src]):
-            qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
-            g_q, g_k, g_v = _block_backward(
-                qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
-                dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
-                delta[..., qs], scale, spec, qr, kr,
-            )  # fmt: skip
-            dq[..., qs, :] += g_q
-            dkb[..., ks, :] += g_k
-            dvb[..., ks, :] += g_v
-    got = torch.empty_like(shares)
-    all_to_all(got, shares, group=ring.group)  # got[j]: rank j's share of this rank's block
-    return got.sum(0)
+    qg, dq, dout, delta = grads
+    kb, vb = (t.float() for t in _unpack(cur, (k, v)))
+    dkb, dvb = _unpack(share, (k, v))
+    for qr, kr in _blocks(ctx.spec, ctx.q_runs, ctx.kv_runs[src]):
+        qs, ks = slice(qr[0], qr[1]), slice(kr[0], kr[1])
+        g_q, g_k, g_v = _block_backward(
+            qg[..., qs, :], kb[..., ks, :], vb[..., ks, :], out[..., qs, :],
+            dout[..., qs, :], (lse[..., qs], peak[..., qs], inv[..., qs]),
+            delta[..., qs], ctx.scale, ctx.spec, qr, kr,
+        )  # fmt: skip
+        dq[..., qs, :] += g_q
+        dkb[..., ks, :] += g_k
+        dvb[..., ks, :] += g_v
 
 
 def ring_attention(

@@ -86,10 +86,15 @@ def _direct(rank: int, world_size: int) -> None:
     _case(rank, world_size, "4-D bool", m["bool4"], True)
     _case(rank, world_size, "GQA", m["pad"], True, hk=2)
     _case(rank, world_size, "zigzag", m["pad"], True, layout="zigzag")
-    from colossal.shardformer.sequence.ulysses import seq_to_heads
+    from colossal.shardformer.sequence.ulysses import seq_to_heads, ulysses_attention_forward
 
     with pytest.raises(ValueError, match="3 heads over 2"):
         seq_to_heads(torch.randn(1, 3, 4, 2), None)
+    q = torch.randn(1, 2, 4, 2)
+    with pytest.raises(ValueError, match="3 heads over 2"):  # checked before the exchange
+        ulysses_attention_forward(_Attn(True), q, torch.randn(1, 3, 4, 2), q, None)
+    with pytest.raises(TypeError, match="one dtype"):  # the packed exchange needs one dtype
+        ulysses_attention_forward(_Attn(True), q, q, q.double(), None)
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -5,9 +5,9 @@ every head. One all-to-all (q, k and v packed side by side in one buffer) trades
 tokens of ``1/P`` of the heads; the attention then runs locally over the whole sequence with
 the full-length mask the model built, and one more all-to-all gives every rank its own tokens
 back for every head. Each direction costs one packing copy per tensor on the way out and one
-on the way back (the buffers are token-major so the received sequence needs no reordering). Per layer
-and rank the forward exchanges q, k, v and the output: ``4 * s * h / P`` elements with as many
-key/value heads as query heads (``(2 + 2 * Hk / Hq) * s * h / P`` with grouped-query
+on the way back (the buffers are token-major so the received sequence needs no reordering).
+Per layer and rank the forward exchanges q, k, v and the output: ``4 * s * h / P`` elements
+with as many key/value heads as query heads (``(2 + 2 * Hk / Hq) * s * h / P`` with grouped-query
 attention, whose key/value heads are exchanged as they are, never repeated first); the
 backward exchanges the same amount again (each all-to-all's gradient is the reverse
 all-to-all).
@@ -251,6 +251,7 @@ def ulysses_attention_forward(
 
     Raises:
         ValueError: A head count not divisible by the group size.
+        TypeError: Query, key and value of different dtypes.
     """
     from colossal.shardformer.attention import colossal_attention_forward
 
@@ -270,15 +271,15 @@ def ulysses_attention_forward(
         attention_mask = attention_mask.bool()[:, None, None, :]
     if positions is not None:
         positions = positions.to(query.device)
-    fused = size > 1 and query.dtype == key.dtype == value.dtype
-    if fused:
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"Ulysses attention exchanges query, key and value in one buffer and needs one "
+            f"dtype, got {query.dtype}, {key.dtype}, {value.dtype}; cast them to one dtype"
+        )
+    q, k, v = query, key, value
+    if size > 1:
         natural = None if positions is None else torch.argsort(positions)
         q, k, v = _ExchangeQKV.apply(query, key, value, group, size, natural)
-    else:
-        q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
-        if positions is not None:
-            natural = torch.argsort(positions)
-            q, k, v = (t.index_select(2, natural) for t in (q, k, v))
     out, _ = colossal_attention_forward(
         module,
         q,
@@ -290,10 +291,6 @@ def ulysses_attention_forward(
         is_causal=causal,
         **kwargs,
     )  # [B, s, Hq/P, Dv]
-    if fused:
-        return _ExchangeOut.apply(out, group, size, positions), None
-    out = out.transpose(1, 2)
-    if positions is not None:
-        out = out.index_select(2, positions)
-    out = heads_to_seq(out, group)
-    return out.transpose(1, 2).contiguous(), None
+    if size > 1:
+        out = _ExchangeOut.apply(out, group, size, positions)
+    return out, None

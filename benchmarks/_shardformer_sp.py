@@ -26,7 +26,8 @@ is ``zero_grad`` + forward + backward + gradient sync + ``AdamW.step``.
 
 Reported: median step wall time and CPU time (summed over ranks; the machine may have fewer
 cores than ranks) over >= 3 rounds in which the configurations take turns (order rotated every
-round), the ratio to torch CP (goal <= 0.95), the first-step loss and gradients of each next
+round), the rounds of ``--sp-runs`` separately spawned runs pooled (see :func:`pool_runs`), the
+ratio to torch CP (goal <= 0.95), the first-step loss and gradients of each next
 to the unsharded model's on the same batch (fp32 tolerance: relative loss difference <= 1e-5,
 every parameter's gradient within 1e-4 relative norm error), and the longest sequence each
 trains within
@@ -70,8 +71,20 @@ SP_QUICK = {
     "seq": 512,
 }
 # defaults of the --sp-* options (full run, --quick)
-SP_FULL_ARGS = {"sp_world": 4, "sp_memory_mb": 700, "sp_max_seq": 16384, "sp_seq_grain": 1024}
-SP_QUICK_ARGS = {"sp_world": 2, "sp_memory_mb": 0, "sp_max_seq": 2048, "sp_seq_grain": 256}
+SP_FULL_ARGS = {
+    "sp_world": 4,
+    "sp_runs": 3,
+    "sp_memory_mb": 700,
+    "sp_max_seq": 16384,
+    "sp_seq_grain": 1024,
+}
+SP_QUICK_ARGS = {
+    "sp_world": 2,
+    "sp_runs": 1,
+    "sp_memory_mb": 0,
+    "sp_max_seq": 2048,
+    "sp_seq_grain": 256,
+}
 CONFIGS = ("torch CP", "ours Ulysses", "ours ring")
 MODES = {"ours Ulysses": "all_to_all", "ours ring": "ring_attn"}
 LOSS_RTOL = 1e-5
@@ -284,14 +297,38 @@ def time_worker(rank: int, world_size: int, args: Any) -> list[dict[str, Any]]:
         rows.append(
             {
                 **row,
-                "step_ms": statistics.median(times[name]) * 1e3,
                 "steps_ms": [round(x * 1e3, 1) for x in times[name]],
-                "cpu_ms": statistics.median(cpu[name]) * 1e3,  # summed over ranks
+                "cpus_ms": [round(x * 1e3, 1) for x in cpu[name]],  # summed over ranks
                 "first_loss": first_loss[name],
                 "reference_loss": ref_loss,
                 "grad_rel_error": grad_err[name],
             }
         )
+    return rows
+
+
+def pool_runs(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per configuration from several spawned runs: the steps of all runs pooled.
+
+    A run's processes share the machine's cores in their own way for the whole run (which
+    ranks share a core, where their memory lies), which moves a run's times by a few percent
+    as a block; pooling the rounds of separately spawned runs takes that out of the median.
+    The correctness columns are the first run's (every run checks the same thing).
+    """
+    rows = []
+    for per_run in zip(*runs, strict=True):
+        row = dict(per_run[0])
+        if "error" not in row:
+            steps = [x for r in per_run for x in r["steps_ms"]]
+            cpus = [x for r in per_run for x in r["cpus_ms"]]
+            row.update(
+                step_ms=statistics.median(steps),
+                cpu_ms=statistics.median(cpus),
+                steps_ms=steps,
+                cpus_ms=cpus,
+                run_medians_ms=[round(statistics.median(r["steps_ms"]), 1) for r in per_run],
+            )
+        rows.append(row)
     return rows
 
 
@@ -375,7 +412,9 @@ def run_section(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
     from bench_common import goal, markdown_table
 
     world, size = args.sp_world, args.sp_size
-    rows = spawn(time_worker, world, args=(args,), timeout=3600)[0]
+    rows = pool_runs(
+        [spawn(time_worker, world, args=(args,), timeout=3600)[0] for _ in range(args.sp_runs)]
+    )
     memory = run_memory(args, world) if args.sp_memory_mb else {}
     by_name = {r["config"]: r for r in rows}
     peer = by_name["torch CP"]
@@ -460,7 +499,8 @@ def run_section(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
         f"\nsequence parallelism: LlamaForCausalLM (hidden {s['hidden']}, {s['layers']} layers, "
         f"{s['heads']}/{s['kv_heads']} heads, MLP {s['intermediate']}, vocab {s['vocab']}), "
         f"batch {s['batch']} x {s['seq']}, AdamW, {world} gloo CPU ranks x 1 thread, "
-        f"{args.rounds} timed steps per config; longest seq: one training step's peak RSS "
+        f"{args.sp_runs} spawned runs x {args.rounds} timed steps per config (pooled median); "
+        f"longest seq: one training step's peak RSS "
         f"(max over ranks) <= {args.sp_memory_mb} MB, searched in steps of {args.sp_seq_grain} "
         f"up to {args.sp_max_seq} ('+': the cap fit)\n\n" + markdown_table(table, columns)
     )

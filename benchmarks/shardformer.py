@@ -75,7 +75,7 @@ agreement and the longest sequence each trains within a per-rank memory budget. 
 Usage::
 
     python3 benchmarks/shardformer.py [--quick] [--sections tp sp] [--worlds 2 4] [--rounds N]
-        [--profile N] [--sp-world 4] [--sp-seq S] [--sp-memory-mb MB] [--sp-max-seq S]
+        [--profile N] [--sp-world 4] [--sp-seq S] [--sp-runs 3] [--sp-memory-mb MB] [--sp-max-seq S]
         [--sp-seq-grain S] [--json PATH]
 """
 
@@ -470,6 +470,12 @@ def main() -> None:
     )
     parser.add_argument("--sp-world", type=int, default=None, help="SP size (4; quick 2)")
     parser.add_argument("--sp-seq", type=int, default=None, help="SP timed sequence length")
+    parser.add_argument(
+        "--sp-runs",
+        type=int,
+        default=None,
+        help="separately spawned SP timing runs whose rounds are pooled (3; quick 1)",
+    )
     parser.add_argument(
         "--sp-memory-mb",
         type=int,

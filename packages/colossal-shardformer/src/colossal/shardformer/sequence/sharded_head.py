@@ -29,7 +29,11 @@ The model's ``loss_function`` (transformers' ``ForCausalLMLoss`` or the vocab-pa
 labels taken at the layout's token indices, the local sum divided by the whole batch's token
 count (or ``num_items_in_batch``), and the result summed over the group in forward with an
 identity backward: the returned loss is the global loss on every rank and each rank
-back-propagates its own tokens' share.
+back-propagates its own tokens' share. When the wrapped loss is transformers' own
+``ForCausalLMLoss``, the local loss is computed by :func:`colossal.kernels.cross_entropy`
+instead (same result): it saves the logits and a per-row log-sum-exp for the backward, not
+``F.cross_entropy``'s float32 log-probabilities, one ``(tokens / P, V)`` tensor less at the
+step's peak.
 
 The returned ``logits`` are this rank's tokens, ``(batch, seq / P[, V / tp])``, in layout
 order (:func:`~colossal.shardformer.sequence.layout.token_indices`). A forward with a nonzero
@@ -47,6 +51,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual alias
 from torch import nn
 
 from colossal.core.comm import all_reduce
+from colossal.kernels import cross_entropy
 from colossal.shardformer.sequence.grad_sync import mark_partial_grad, partial_grad_group
 from colossal.shardformer.sequence.layout import split_sequence, token_indices
 from colossal.shardformer.sequence.stack_hooks import SequenceParallelState
@@ -163,6 +168,32 @@ def sharded_head_mode(
     return "split_head" if _post_stack_modules(model, stack_path) is None else "local_exit"
 
 
+def _is_transformers_causal_loss(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is transformers' default causal LM loss (``ForCausalLMLoss``)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # an older transformers without the loss module
+        return False
+    return fn is ForCausalLMLoss
+
+
+def _lean_causal_loss(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int,
+    ignore_index: int,
+) -> torch.Tensor:
+    """``ForCausalLMLoss`` on shifted labels (float32, sum / ``num_items_in_batch``), lean.
+
+    :func:`colossal.kernels.cross_entropy` computes in float32 as ``logits.float()`` does and
+    saves no log-probabilities (nor a float32 copy of half-precision logits).
+    """
+    return cross_entropy(
+        logits, shift_labels.to(logits.device), ignore_index=ignore_index,
+        reduction="mean", divisor=num_items_in_batch,
+    )  # fmt: skip
+
+
 def sequence_parallel_causal_loss(
     inner: Callable[..., torch.Tensor], state: SequenceParallelState
 ) -> Callable[..., torch.Tensor]:
@@ -174,7 +205,10 @@ def sequence_parallel_causal_loss(
     shifts the labels once, keeps this rank's shifted labels, and calls ``inner`` with them
     as ``shift_labels`` and ``num_items_in_batch`` set to the whole batch's count of
     non-ignored labels (or the caller's), then sums over the group (identity backward).
-    Full-length logits go to ``inner`` unchanged.
+    Full-length logits go to ``inner`` unchanged. When ``inner`` is transformers'
+    ``ForCausalLMLoss``, the local loss is :func:`colossal.kernels.cross_entropy` with the
+    same semantics (float32, ``ignore_index``, divided by ``num_items_in_batch``), which keeps
+    no log-probabilities for the backward.
 
     Args:
         inner: The loss function to wrap; it must accept ``shift_labels`` and
@@ -184,6 +218,7 @@ def sequence_parallel_causal_loss(
     Raises:
         ValueError: The logits hold neither the whole sequence nor this rank's share of it.
     """
+    lean = _is_transformers_causal_loss(inner)
 
     def loss_function(
         logits: torch.Tensor,
@@ -215,10 +250,13 @@ def sequence_parallel_causal_loss(
         local = shift_labels.index_select(-1, index).contiguous()
         if num_items_in_batch is None:
             num_items_in_batch = (shift_labels != ignore_index).sum()
-        loss = inner(
-            logits, local, vocab_size, num_items_in_batch=num_items_in_batch,
-            ignore_index=ignore_index, shift_labels=local, **kwargs,
-        )  # fmt: skip
+        if lean and int(logits.shape[-1]) == int(vocab_size):
+            loss = _lean_causal_loss(logits, local, num_items_in_batch, ignore_index)
+        else:
+            loss = inner(
+                logits, local, vocab_size, num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index, shift_labels=local, **kwargs,
+            )  # fmt: skip
         return _SumOverGroup.apply(loss, state.group)
 
     loss_function.__wrapped__ = inner  # type: ignore[attr-defined]

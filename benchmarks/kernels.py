@@ -1,9 +1,9 @@
-"""colossal-kernels benchmark: CPU Adam vs torch fused AdamW, and NVMe-offloaded Adam.
+"""colossal-kernels benchmark: CPU Adam vs torch fused AdamW, NVMe-offloaded Adam, attention.
 
 Usage::
 
     python benchmarks/kernels.py [--quick] [--json PATH] [--params N] [--threads T]
-                                  [--only {adam,nvme}]
+                                  [--only {adam,nvme,attention}]
 
 Rows (all measured in this one run, interleaved so machine noise hits both sides alike):
 
@@ -20,8 +20,16 @@ Rows (all measured in this one run, interleaved so machine noise hits both sides
   against the disk time of its own access mode: ``direct`` (``O_DIRECT``, the default where
   the filesystem supports it) and ``buffered`` (through the page cache, for reference).
 
+* attention (1 thread unless ``--threads``): forward + backward of causal attention through
+  PyTorch's CPU flash kernel called once with ``is_causal`` (``plain``) against the tiled
+  decomposition of :mod:`colossal.kernels.attention.cpu_causal` (``tiled``, per diagonal
+  block size), for the per-rank shape of the Ulysses benchmark (B=1, H=2, Hk=1, S=2048,
+  D=32, ``(B, S, H, D)`` memory) and for ring attention's causal diagonal block (B=1, H=8,
+  Hk=4, S=256, D=32; queries ``(B, S, H, D)``, keys/values ``(B, H, S, D)`` memory).
+
 Goals: ours >= 2.0x the torch way; offloaded step (default IO mode) <= 1.25x
-max(compute, disk time).
+max(compute, disk time); tiled causal attention >= 1.05x the plain kernel at the Ulysses
+shape.
 """
 
 from __future__ import annotations
@@ -265,8 +273,65 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
     return rows, out
 
 
+ATTN_SHAPES = (  # (label, B, H, Hk, S, D, queries (B, S, H, D) memory, keys/values too)
+    ("Ulysses per-rank", 1, 2, 1, 2048, 32, True, True),
+    ("ring causal diagonal", 1, 8, 4, 256, 32, True, False),
+)
+
+
+def bench_attention(reps: int) -> tuple[list[dict], dict]:
+    """Causal fwd+bwd: the CPU flash kernel with ``is_causal`` vs the tiled decomposition.
+
+    Returns the rows and ``{label: speedup of the best tiled block size}``.
+    """
+    from colossal.kernels.attention import (
+        causal_block_size,
+        causal_flash_backward,
+        causal_flash_forward,
+    )
+
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    g = torch.Generator().manual_seed(2)
+    rows: list[dict] = []
+    out: dict[str, float] = {}
+    for label, b, h, hk, s, d, q_bshd, kv_bshd in ATTN_SHAPES:
+        def make(heads: int, bshd: bool, b=b, s=s, d=d) -> torch.Tensor:
+            x = torch.randn(b, s, heads, d, generator=g).transpose(1, 2)
+            return x if bshd else x.contiguous()
+
+        q, k, v = make(h, q_bshd), make(hk, kv_bshd), make(hk, kv_bshd)
+        dout = make(h, q_bshd)
+        scale = d ** -0.5
+
+        def plain(q=q, k=k, v=v, dout=dout, scale=scale) -> None:
+            o, lse = fwd(q, k, v, 0.0, True, scale=scale)
+            bwd(dout, q, k, v, o, lse, 0.0, True, scale=scale)
+
+        def tiled(blk: int, q=q, k=k, v=v, dout=dout, scale=scale) -> None:
+            o, lse = causal_flash_forward(q, k, v, scale, blk)
+            causal_flash_backward(dout, q, k, v, o, lse, scale, blk)
+
+        blocks = sorted({blk for blk in (64, 128, causal_block_size(s)) if blk and s // blk >= 2})
+        fns = {"plain": plain, **{f"tiled {blk}": functools.partial(tiled, blk) for blk in blocks}}
+        ref = fwd(q, k, v, 0.0, True, scale=scale)[0]
+        err = max((causal_flash_forward(q, k, v, scale, blk)[0] - ref).abs().max().item()
+                  for blk in blocks)
+        res = interleaved(fns, reps, warmup=2)
+        shape = f"B={b} H={h} Hk={hk} S={s} D={d}"
+        for key, t in res.items():
+            rows.append({"name": f"causal attention fwd+bwd, {label} ({shape}): {key}",
+                         "ms": round(1e3 * t, 2),
+                         "speedup": round(res["plain"] / t, 3),
+                         "max_err": None if key == "plain" else f"{err:.1e}"})
+        out[label] = max(res["plain"] / res[k] for k in res if k != "plain")
+    return rows, out
+
+
 def markdown(rows: list[dict]) -> str:
-    keys = ["name", "params", "ms", "params_per_s", "GB_per_s", "vs_stream", "vs_bound"]
+    keys = ["name", "params", "ms", "params_per_s", "GB_per_s", "vs_stream", "vs_bound",
+            "speedup", "max_err"]
+    keys = [k for k in keys if any(r.get(k) is not None for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         cells = []
@@ -285,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--nvme-dir", default=None, help="directory for offloaded state")
-    parser.add_argument("--only", choices=("adam", "nvme"), default=None,
-                        help="run only the CPU Adam rows or only the NVMe offload rows")
+    parser.add_argument("--only", choices=("adam", "nvme", "attention"), default=None,
+                        help="run only the CPU Adam, the NVMe offload or the attention rows")
     args = parser.parse_args(argv)
     n = args.params or (10_000_000 if args.quick else 50_000_000)
     reps = args.reps or (5 if args.quick else 9)
@@ -314,14 +379,27 @@ def main(argv: list[str] | None = None) -> int:
                                   + ("" if default else " (not the default; for reference)"),
                           "value": round(res["ratio"], 2), "target": 1.25 if default else None,
                           "met": (res["ratio"] <= 1.25 and res["identical"]) if default else None})
+    if args.only in (None, "attention"):
+        threads = torch.get_num_threads()
+        if not args.threads:
+            torch.set_num_threads(1)  # the per-rank setting of the SP benchmark
+        attn_rows, attn = bench_attention(args.reps or (9 if args.quick else 21))
+        torch.set_num_threads(threads)
+        rows += attn_rows
+        speedup = attn[ATTN_SHAPES[0][0]]
+        goals.append({"name": "tiled causal flash attention fwd+bwd vs the plain CPU kernel, "
+                              "Ulysses per-rank shape (x)",
+                      "value": round(speedup, 3), "target": 1.05, "met": speedup >= 1.05})
     machine = {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "stream_copy_GBps": stream_gbps, "nvme_dir": nvme_dir,
     }
+    attn_1t = args.only in (None, "attention") and not args.threads
+    attn_note = "; attention on 1 thread" if attn_1t else ""
     print(f"## colossal-kernels ({'quick' if args.quick else 'full'}; {n / 1e6:.0f}M params, "
-          f"{machine['threads']} threads, {machine['cpu']})\n")
+          f"{machine['threads']} threads{attn_note}, {machine['cpu']})\n")
     print(markdown(rows))
     print("\n| goal | value | target | met |\n|---|---|---|---|")
     for goal in goals:

@@ -2,7 +2,10 @@
 
 The kernel registry's ``"attention"`` kernel has two implementations: ``sdpa`` (PyTorch's
 ``scaled_dot_product_attention`` restricted to the best backends for the device and dtype, in
-priority order) and ``eager`` (matmul + softmax, the reference).
+priority order) and ``eager`` (matmul + softmax, the reference). On CPU, ``sdpa`` sends
+causal calls that tile (:func:`~colossal.kernels.attention.cpu_causal.tiled_causal_supported`)
+to the tiled flash kernel, which skips the masked work PyTorch's kernel computes
+(``TILED_CAUSAL = False`` turns that off, e.g. for A/B measurements).
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from colossal.kernels.attention.cpu_causal import causal_flash_attention, tiled_causal_supported
 from colossal.kernels.attention.mask import AttentionMask, AttnMaskType, dense_bool_mask
 from colossal.kernels.registry import REGISTRY
 
 AttnFn = Callable[..., torch.Tensor]
 _GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+TILED_CAUSAL = True
+"""Route causal CPU calls that tile to :func:`causal_flash_attention` (False: plain SDPA)."""
 
 
 def sdpa_backends(device: torch.device, dtype: torch.dtype, has_mask: bool) -> list:
@@ -51,6 +58,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Atte
 
     sq, sk = q.shape[-2], k.shape[-2]
     is_causal = mask.kind == AttnMaskType.CAUSAL and sq == sk
+    if is_causal and TILED_CAUSAL and tiled_causal_supported(q, k, v, dropout_p):
+        return causal_flash_attention(q, k, v, scale)
     dense = None if is_causal else dense_bool_mask(mask, sq, sk, q.device)
     kwargs = {}
     if q.shape[1] != k.shape[1]:

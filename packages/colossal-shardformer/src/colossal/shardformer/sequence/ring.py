@@ -17,8 +17,9 @@ holds, in its local order). With the zigzag layout (rank ``r`` holds chunks ``r`
 of consecutive positions (two per rank in zigzag); for each (query run, key run) pair a causal
 mask either hides it entirely (skipped: no compute), shows it entirely (no mask built) or cuts
 it on the diagonal. On CPU blocks run on PyTorch's flash-attention kernel (forward and
-backward, grouped-query attention native; unmasked blocks with its own causal flag, masked
-ones with the block's additive mask); elsewhere on an exact matmul path.
+backward, grouped-query attention native; unmasked blocks with its own causal flag, causal
+diagonals of 256+ tokens tiled by colossal-kernels' ``causal_flash_forward``, masked ones
+with the block's additive mask); elsewhere on an exact matmul path.
 
 Masks: None (causal when the module is causal, else none), a ``[B, S]`` padding mask (plus
 causal when the module is causal) or a 4-D ``[B, 1 or H, S, S]`` bool / additive float mask
@@ -42,6 +43,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from colossal.kernels.attention import causal_flash_backward as _tiled_bwd
+from colossal.kernels.attention import causal_flash_forward as _tiled_fwd
+from colossal.kernels.attention import tiled_causal_block
 
 __all__ = ["ring_attention", "ring_attention_forward"]
 
@@ -216,9 +221,13 @@ def _block_forward(
     plan = _fused_plan(spec, qr, kr, q)
     if plan is not None:
         causal, add, seen = plan
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.reshape(b, hk * r, nq, d), k, v, 0.0, causal, attn_mask=add, scale=scale
-        )
+        qf = q.reshape(b, hk * r, nq, d)
+        if causal and (blk := tiled_causal_block(qf, k, v, min_len=256, max_block=64)):
+            o, lse = _tiled_fwd(qf, k, v, scale, blk)
+        else:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qf, k, v, 0.0, causal, attn_mask=add, scale=scale
+            )
         m = lse.view(b, hk, r, nq)
         if seen is not None:
             m = m.masked_fill(~seen.expand_as(m), float("-inf"))
@@ -247,10 +256,14 @@ def _block_backward(
     if plan is not None:
         causal, add, _ = plan
         flat = (b, hk * r, nq)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.reshape(*flat, -1), q.reshape(*flat, d), k, v, out.reshape(*flat, -1),
-            lse.reshape(flat), 0.0, causal, attn_mask=add, scale=scale,
-        )  # fmt: skip
+        args = (dout.reshape(*flat, -1), q.reshape(*flat, d), k, v, out.reshape(*flat, -1),
+                lse.reshape(flat))  # fmt: skip
+        if causal and (blk := tiled_causal_block(args[1], k, v, min_len=256, max_block=64)):
+            dq, dk, dv = _tiled_bwd(*args, scale, blk)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *args, 0.0, causal, attn_mask=add, scale=scale
+            )
         return dq.view(q.shape), dk, dv
     p = torch.exp(_scores(q, k, scale, spec, qr, kr) - peak.unsqueeze(-1)) * inv.unsqueeze(-1)
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from colossal.gemini.memory import (
-    ENV_VAR,
+    DEVICE_MEMORY_LIMIT_ENV,
     DeviceMemoryBudget,
     DeviceMemoryExceeded,
     parse_memory_size,
@@ -31,7 +31,7 @@ def test_capacity_from_env_spellings(
 ) -> None:
     # Catches: a unit parsed with the wrong power (MB vs MiB), fractions dropped, case or
     # whitespace sensitivity, the env var ignored.
-    monkeypatch.setenv(ENV_VAR, text)
+    monkeypatch.setenv(DEVICE_MEMORY_LIMIT_ENV, text)
     assert DeviceMemoryBudget().capacity == expected
     assert parse_memory_size(text) == expected
 
@@ -39,11 +39,12 @@ def test_capacity_from_env_spellings(
 @pytest.mark.parametrize("text", ["lots", "12XB", "-5MB", "1.2.3GB", "GB", "5 M B"])
 def test_bad_env_value_names_value_and_forms(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     # Catches: a typo in the env var silently meaning "unlimited" (or 0).
-    monkeypatch.setenv(ENV_VAR, text)
+    monkeypatch.setenv(DEVICE_MEMORY_LIMIT_ENV, text)
     with pytest.raises(ValueError) as err:
         DeviceMemoryBudget()
     msg = str(err.value)
-    assert repr(text) in msg and ENV_VAR in msg and "GiB" in msg and "1073741824" in msg
+    assert repr(text) in msg and DEVICE_MEMORY_LIMIT_ENV in msg
+    assert "GiB" in msg and "1073741824" in msg
 
 
 def test_capacity_argument_wins_and_cpu_default_is_unlimited(
@@ -51,10 +52,10 @@ def test_capacity_argument_wins_and_cpu_default_is_unlimited(
 ) -> None:
     # Catches: the env var overriding an explicit argument; a CPU run being capped by the
     # machine's RAM (the CPU accelerator's total_memory) instead of unlimited.
-    monkeypatch.setenv(ENV_VAR, "1KB")
+    monkeypatch.setenv(DEVICE_MEMORY_LIMIT_ENV, "1KB")
     assert DeviceMemoryBudget(4096).capacity == 4096
     assert DeviceMemoryBudget("2KiB").capacity == 2048
-    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.delenv(DEVICE_MEMORY_LIMIT_ENV)
     monkeypatch.setenv("COLOSSAL_ACCELERATOR", "cpu")
     budget = DeviceMemoryBudget()
     assert budget.capacity is None and budget.available() is None
@@ -77,8 +78,9 @@ def test_exceeding_raises_with_need_in_use_limit_and_fix() -> None:
     assert isinstance(exc, MemoryError)
     assert (exc.what, exc.needed, exc.in_use, exc.limit) == ("chunk 2 payload", 401, 600, 1000)
     msg = str(exc)
-    for part in ("chunk 2 payload", "401 B", "600 B", "1000 B", ENV_VAR, "offload_param_frac",
-                 "offload_optim_frac", "auto"):
+    parts = ("chunk 2 payload", "401 B", "600 B", "1000 B", DEVICE_MEMORY_LIMIT_ENV,
+             "offload_param_frac", "offload_optim_frac", "auto")
+    for part in parts:
         assert part in msg
     assert budget.used("device") == 600  # nothing accounted by the failed call
     budget.allocate("device", 400, "exactly fits")  # == capacity is allowed

@@ -25,7 +25,7 @@ Location = Literal["device", "host"]
 
 LOCATIONS: tuple[Location, ...] = get_args(Location)
 
-ENV_VAR = "COLOSSAL_DEVICE_MEMORY_LIMIT"
+DEVICE_MEMORY_LIMIT_ENV = "COLOSSAL_DEVICE_MEMORY_LIMIT"
 
 # Decimal (SI) units are powers of 1000, binary (IEC) units powers of 1024, as their names say.
 _UNITS: dict[str, int] = {
@@ -117,8 +117,8 @@ class DeviceMemoryExceeded(MemoryError):  # noqa: N818 - the contract name
             f"device memory exceeded by {what}: needs {_fmt(needed)} with {_fmt(in_use)} "
             f"already in use, but the limit is {_fmt(limit)} "
             f"(short by {_fmt(in_use + needed - limit)}). Fix: raise the limit (argument or "
-            f"{ENV_VAR}), offload more (offload_param_frac / offload_optim_frac), or use "
-            f'placement_policy="auto"'
+            f"{DEVICE_MEMORY_LIMIT_ENV}), offload more (offload_param_frac / "
+            f'offload_optim_frac), or use placement_policy="auto"'
         )
 
 
@@ -153,9 +153,9 @@ class DeviceMemoryBudget:
 
     @staticmethod
     def _default_capacity() -> int | None:
-        env = os.environ.get(ENV_VAR, "").strip()
+        env = os.environ.get(DEVICE_MEMORY_LIMIT_ENV, "").strip()
         if env:
-            return parse_memory_size(env, source=f"environment variable {ENV_VAR}")
+            return parse_memory_size(env, source=f"environment variable {DEVICE_MEMORY_LIMIT_ENV}")
         accelerator = get_accelerator()
         if accelerator.name == "cuda":
             return accelerator.total_memory()

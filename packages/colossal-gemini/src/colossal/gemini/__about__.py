@@ -1,0 +1,3 @@
+"""Version of colossal-gemini."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""colossal-gemini: chunk-based ZeRO-3 with heterogeneous (device/host) memory.
+
+Parameters live in flat chunks sharded evenly over the data-parallel group; a chunk is
+gathered before its parameters compute and released after, its gradients are reduce-scattered
+as soon as they are all there, and placement policies decide which chunks and optimizer states
+live on the device or on the host.
+"""
+
+from colossal.gemini.__about__ import __version__
+from colossal.gemini.chunk import (
+    LEGAL_TRANSITIONS,
+    Chunk,
+    ChunkManager,
+    ChunkSearchResult,
+    IllegalStateTransition,
+    TensorInfo,
+    TensorState,
+    search_chunk_configuration,
+)
+from colossal.gemini.memory import (
+    DEVICE_MEMORY_LIMIT_ENV,
+    AutoPlacement,
+    ChunkPlacement,
+    DeviceMemoryBudget,
+    DeviceMemoryExceeded,
+    Location,
+    MemStats,
+    PlacementPolicy,
+    RuntimeMemTracer,
+    StaticPlacement,
+    StepRecord,
+)
+
+__all__ = [
+    "DEVICE_MEMORY_LIMIT_ENV",
+    "LEGAL_TRANSITIONS",
+    "AutoPlacement",
+    "Chunk",
+    "ChunkManager",
+    "ChunkPlacement",
+    "ChunkSearchResult",
+    "DeviceMemoryBudget",
+    "DeviceMemoryExceeded",
+    "IllegalStateTransition",
+    "Location",
+    "MemStats",
+    "PlacementPolicy",
+    "RuntimeMemTracer",
+    "StaticPlacement",
+    "StepRecord",
+    "TensorInfo",
+    "TensorState",
+    "__version__",
+    "search_chunk_configuration",
+]

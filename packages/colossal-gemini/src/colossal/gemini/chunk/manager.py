@@ -1,0 +1,236 @@
+"""Packs parameters into chunks and gathers, releases and prefetches them.
+
+Parameters are registered in the order of their first use. Each registration appends to the
+open chunk of its *kind* — ``(group_key, dtype, requires_grad, keep_gathered)`` — and a full
+chunk is closed and replaced, so frozen parameters never share a chunk with trainable ones
+(they get no master or gradient) and every chunk holds one dtype. A parameter larger than
+the chunk size gets a chunk of its own, of its size. A parameter registered again (a tied
+weight: the same ``Parameter`` object under another name) keeps its first chunk.
+
+Every rank must register the same parameters in the same order: the chunks, their order and
+hence the order of their collectives are then identical everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from colossal.gemini.chunk.chunk import Chunk
+from colossal.gemini.chunk.storage import BudgetLike, Location
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkManager"]
+
+_Kind = tuple[str, torch.dtype, bool, bool]
+
+
+class ChunkManager:
+    """Owns every chunk of a model and moves them between released and gathered.
+
+    Args:
+        chunk_size: Capacity of a chunk in elements (e.g. from
+            :func:`~colossal.gemini.search_chunk_configuration`).
+        group: Process group the chunks are sharded over.
+        budget: Receives every chunk's allocations (``DeviceMemoryBudget`` or alike).
+        master_dtype: dtype of trainable chunks' master shards (``None``: none).
+        pin_memory: Pin host-located chunk tensors (when CUDA is available).
+        max_prefetch: How many chunks :meth:`prefetch` may gather ahead (0: none).
+        accumulate_grads: Passed to every trainable chunk (see :class:`Chunk`).
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive int or ``max_prefetch`` is negative.
+    """
+
+    def __init__(
+        self,
+        chunk_size: int,
+        group: ProcessGroup | None,
+        *,
+        budget: BudgetLike | None = None,
+        master_dtype: torch.dtype | None = torch.float32,
+        pin_memory: bool = False,
+        max_prefetch: int = 0,
+        accumulate_grads: bool = False,
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
+        if isinstance(max_prefetch, bool) or not isinstance(max_prefetch, int) or max_prefetch < 0:
+            raise ValueError(f"max_prefetch must be an int >= 0, got {max_prefetch!r}")
+        self.chunk_size = chunk_size
+        self.group = group
+        self.budget = budget
+        self.master_dtype = master_dtype
+        self.pin_memory = pin_memory
+        self.max_prefetch = max_prefetch
+        self.accumulate_grads = accumulate_grads
+        self.chunks: list[Chunk] = []
+        self._open: dict[_Kind, Chunk] = {}
+        self._chunk_of: dict[nn.Parameter, Chunk] = {}
+        self._names: dict[nn.Parameter, str] = {}
+        self._by_name: dict[str, nn.Parameter] = {}
+        self._accessed: set[int] = set()  # ids of chunks gathered through access()
+        self._prefetched: dict[int, Chunk] = {}
+
+    # ----------------------------------------------------------------- registration
+    def _new_chunk(self, size: int, dtype: torch.dtype, requires_grad: bool,
+                   keep_gathered: bool) -> Chunk:
+        chunk = Chunk(
+            size,
+            self.group,
+            dtype,
+            keep_gathered=keep_gathered,
+            requires_grad=requires_grad,
+            master_dtype=self.master_dtype if requires_grad else None,
+            budget=self.budget,
+            pin_memory=self.pin_memory,
+            chunk_id=len(self.chunks),
+            accumulate_grads=self.accumulate_grads,
+        )
+        self.chunks.append(chunk)
+        return chunk
+
+    def register(
+        self,
+        name: str,
+        param: nn.Parameter,
+        *,
+        dtype: torch.dtype,
+        keep_gathered: bool = False,
+        group_key: str = "default",
+    ) -> Chunk:
+        """Put ``param`` into a chunk and return that chunk.
+
+        Args:
+            name: The parameter's name.
+            param: The parameter (its ``.data`` becomes a view of the chunk).
+            dtype: Storage dtype of the chunk (e.g. ``torch.bfloat16``).
+            keep_gathered: Put it in a chunk that stays gathered.
+            group_key: Parameters of different keys never share a chunk (e.g. param groups).
+
+        Raises:
+            ValueError: Another parameter was registered under ``name``, or the manager is
+                closed for this kind of parameter.
+            TypeError: ``param`` is not a floating-point tensor.
+        """
+        if param in self._chunk_of:
+            logger.debug("%s is tied to %s; it stays in chunk %d", name, self._names[param],
+                         self._chunk_of[param].chunk_id)
+            return self._chunk_of[param]
+        if name in self._by_name:
+            raise ValueError(f"another parameter is already registered as {name!r}; "
+                             "parameter names must be unique")
+        if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+            raise TypeError(f"{name!r} must be a floating-point tensor parameter, got "
+                            f"{type(param).__name__} {getattr(param, 'dtype', '')}")
+        requires_grad = bool(param.requires_grad)
+        numel = param.numel()
+        if numel > self.chunk_size:
+            chunk = self._new_chunk(numel, dtype, requires_grad, keep_gathered)
+            chunk.append(name, param)
+            chunk.close()
+        else:
+            kind: _Kind = (group_key, dtype, requires_grad, bool(keep_gathered))
+            chunk = self._open.get(kind)
+            if chunk is None or not chunk.can_fit(numel):
+                if chunk is not None:
+                    chunk.close()
+                chunk = self._new_chunk(self.chunk_size, dtype, requires_grad, keep_gathered)
+                self._open[kind] = chunk
+            chunk.append(name, param)
+        self._chunk_of[param] = chunk
+        self._names[param] = name
+        self._by_name[name] = param
+        return chunk
+
+    def close_all(self) -> None:
+        """Close every open chunk (no more registrations into them)."""
+        for chunk in self._open.values():
+            chunk.close()
+        self._open.clear()
+
+    # ----------------------------------------------------------------- lookup
+    def chunk_of(self, param: nn.Parameter) -> Chunk:
+        """The chunk holding ``param``.
+
+        Raises:
+            KeyError: ``param`` is not managed here.
+        """
+        chunk = self._chunk_of.get(param)
+        if chunk is None:
+            raise KeyError(
+                f"parameter of shape {tuple(param.shape)} and dtype {param.dtype} is not "
+                "managed by this ChunkManager; register() it first"
+            )
+        return chunk
+
+    def name_of(self, param: nn.Parameter) -> str:
+        """The name ``param`` was first registered under (KeyError if unmanaged)."""
+        self.chunk_of(param)
+        return self._names[param]
+
+    def param(self, name: str) -> nn.Parameter:
+        """The parameter registered as ``name`` (KeyError naming it if unknown)."""
+        if name not in self._by_name:
+            raise KeyError(f"no parameter registered as {name!r}")
+        return self._by_name[name]
+
+    # ----------------------------------------------------------------- gather / release
+    def access(self, chunk: Chunk) -> None:
+        """Make ``chunk``'s payload available (waits for its prefetch, else gathers)."""
+        self._prefetched.pop(chunk.chunk_id, None)
+        chunk.gather()
+        chunk.wait()
+        self._accessed.add(chunk.chunk_id)
+
+    def release(self, chunk: Chunk) -> None:
+        """Release ``chunk``'s payload (a no-op for ``keep_gathered`` chunks)."""
+        self._prefetched.pop(chunk.chunk_id, None)
+        chunk.release()
+        self._accessed.discard(chunk.chunk_id)
+
+    @property
+    def accessed(self) -> list[Chunk]:
+        """Chunks gathered through :meth:`access` and not released since, in chunk order."""
+        return [c for c in self.chunks if c.chunk_id in self._accessed]
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> None:
+        """Start gathering up to ``max_prefetch`` of ``chunks`` (in the given order).
+
+        The gathers are asynchronous; their handles are kept in the chunks and completed by
+        :meth:`access` (or any other use of the chunk). Chunks already gathered, or kept
+        gathered, are skipped without counting. Every rank must prefetch the same chunks in
+        the same order (they are collectives).
+        """
+        room = self.max_prefetch - len(self._prefetched)
+        for chunk in chunks:
+            if room <= 0:
+                break
+            if chunk.is_gathered or chunk.keep_gathered:
+                continue
+            chunk.gather(async_op=True)
+            self._prefetched[chunk.chunk_id] = chunk
+            room -= 1
+
+    @property
+    def in_flight(self) -> list[Chunk]:
+        """Chunks prefetched and not accessed yet."""
+        return list(self._prefetched.values())
+
+    # ----------------------------------------------------------------- memory
+    def memory(self) -> dict[Location, int]:
+        """Model-data bytes of every chunk, by logical location."""
+        out: dict[Location, int] = {"device": 0, "host": 0}
+        for chunk in self.chunks:
+            for loc, n in chunk.memory().items():
+                out[loc] += n
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ChunkManager(chunks={len(self.chunks)}, chunk_size={self.chunk_size}, "
+                f"open={len(self._open)})")

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from colossal.gemini.memory import (
-    DEVICE_MEMORY_LIMIT_ENV,
-    DeviceMemoryBudget,
-    DeviceMemoryExceeded,
-    parse_memory_size,
-)
+from colossal.gemini import DEVICE_MEMORY_LIMIT_ENV, DeviceMemoryBudget, DeviceMemoryExceeded
+from colossal.gemini.memory import parse_memory_size
 
 
 @pytest.mark.parametrize(

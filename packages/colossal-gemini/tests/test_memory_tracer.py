@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from colossal.gemini.memory import MemStats, RuntimeMemTracer, StepRecord
+from colossal.gemini import MemStats, RuntimeMemTracer, StepRecord
 
 B, D_IN, H, D_OUT, E = 4, 16, 32, 8, 4  # batch, widths, fp32 element size
 

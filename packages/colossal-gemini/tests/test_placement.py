@@ -7,16 +7,19 @@ import warnings
 from dataclasses import dataclass
 
 import pytest
+import torch
+from torch import nn
 
-from colossal.gemini.memory import (
+from colossal.gemini import (
     AutoPlacement,
-    ChunkLike,
+    Chunk,
     DeviceMemoryBudget,
     DeviceMemoryExceeded,
     MemStats,
     StaticPlacement,
     StepRecord,
 )
+from colossal.gemini.memory import ChunkLike
 
 
 @dataclass(eq=False)
@@ -181,3 +184,14 @@ def test_auto_warmup_uses_warmup_ratio_without_memstats() -> None:
                                                                      requires_grad=False)])
     assert [(p.keep_gathered, p.shard_location, p.master_location) for p in plan] == [
         (False, "device", "host"), (False, "device", "device")]
+
+
+def test_real_chunk_satisfies_chunk_like() -> None:
+    # Catches: the policy's protocol drifting from the Chunk it places.
+    budget = DeviceMemoryBudget(10**6)
+    chunk = Chunk(64, None, torch.float16, budget=budget)
+    chunk.append("w", nn.Parameter(torch.randn(4, 8)))
+    chunk.close()
+    assert isinstance(chunk, ChunkLike)
+    (placement,) = StaticPlacement(1.0, 1.0, 1.0).plan([chunk])
+    assert (placement.shard_location, placement.master_location) == ("host", "host")

@@ -116,7 +116,10 @@ class _Recorder:
         """Note a tensor an operator read or produced."""
         if t.is_meta or t.layout != torch.strided:
             return
-        storage = t.untyped_storage()
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses: no storage
+            return
         key = id(storage)
         param = self.param_of.get(key)
         if param is not None:

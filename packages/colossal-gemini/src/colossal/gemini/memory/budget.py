@@ -129,7 +129,8 @@ class DeviceMemoryBudget:
     never refused. All methods are thread-safe.
 
     Args:
-        capacity: Device capacity in bytes. When ``None``: the environment variable
+        capacity: Device capacity in bytes (an int, or a string such as ``"2GiB"``). When
+            ``None``: the environment variable
             ``COLOSSAL_DEVICE_MEMORY_LIMIT`` (``"512MB"``, ``"1.5GiB"``, ``"1073741824"``),
             else the accelerator's total memory when it is CUDA, else unlimited (``None``).
 
@@ -140,7 +141,7 @@ class DeviceMemoryBudget:
         ValueError: ``capacity`` is negative or the environment variable cannot be parsed.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | str | None = None) -> None:
         if capacity is not None:
             capacity = parse_memory_size(capacity, source="capacity")
         else:

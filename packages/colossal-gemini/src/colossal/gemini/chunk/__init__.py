@@ -1,6 +1,7 @@
 """Chunks: flat, evenly sharded parameter buffers, their manager and the chunk-size search."""
 
-from colossal.gemini.chunk.chunk import Chunk, TensorInfo
+from colossal.gemini.chunk.base import TensorInfo
+from colossal.gemini.chunk.chunk import Chunk
 from colossal.gemini.chunk.manager import ChunkManager
 from colossal.gemini.chunk.search import ChunkSearchResult, search_chunk_configuration
 from colossal.gemini.chunk.states import LEGAL_TRANSITIONS, IllegalStateTransition, TensorState

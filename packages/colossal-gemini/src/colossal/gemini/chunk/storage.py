@@ -70,7 +70,7 @@ class Allocator:
 
     def empty(self, location: Location, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """An uninitialized tensor on ``location``, accounted before it is allocated."""
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         if self.budget is not None:
             self.budget.allocate(location, size, f"{self.owner} {what}")
         return torch.empty(

@@ -9,10 +9,12 @@ Life of a chunk:
    (rank + 1) * shard_size)`` (and an fp32 *master* copy of it, taken from the original
    parameter values, not from their low-precision cast) and, unless ``keep_gathered``,
    releases the payload.
-3. ``gather`` all-gathers the shards into the payload; ``release`` frees it again. Released
-   payloads keep their tensor and views but their storage is resized to 0 bytes (as PyTorch
-   FSDP2 does): parameters keep their shapes, using one while released fails loudly, and
-   tensors that autograd saved see the re-gathered values.
+3. ``gather`` all-gathers the shards into the payload and points the parameters' ``.data``
+   at views of it; ``release`` frees it again: the payload's storage is resized to 0 bytes
+   (as PyTorch FSDP2 does, so views of it that autograd saved see the re-gathered values,
+   and hold no memory meanwhile) and each parameter's ``.data`` becomes an empty tensor of
+   its dtype (so using a released parameter is a loud shape error, never a read of freed
+   memory).
 4. ``copy_grad`` puts gradients into a gradient buffer (chunk dtype, payload size);
    ``reduce`` reduce-scatters it (all-reduces for ``keep_gathered`` chunks) into this rank's
    *gradient shard* (fp32 when there is an fp32 master), divided by the group size when
@@ -200,6 +202,9 @@ class Chunk(ChunkBase):
 
     def _finish_gather(self) -> None:
         self._gathered = True
+        assert self._payload is not None
+        for p, info in self._infos.items():
+            p.data = self._payload[info.offset : info.end].view(info.shape)
         for info in self._infos.values():
             check_transition(info.name, info.state, TensorState.HOLD)
             info.state = TensorState.HOLD
@@ -224,7 +229,8 @@ class Chunk(ChunkBase):
         if self._alloc.budget is not None:
             self._alloc.budget.free("device", self.payload_bytes)
         self._gathered = False
-        for info in self._infos.values():
+        for p, info in self._infos.items():
+            p.data = torch.empty(0, dtype=self._dtype, device=self._device)
             info.state = TensorState.FREE
 
     # ----------------------------------------------------------------- states

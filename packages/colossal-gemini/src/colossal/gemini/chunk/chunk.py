@@ -377,6 +377,44 @@ class Chunk(ChunkBase):
         else:
             self.release()
 
+    def set_keep_gathered(self, keep: bool) -> None:
+        """Switch the chunk between sharded and kept gathered (e.g. to apply a placement plan).
+
+        Keeping it gathered gathers the payload (one all-gather if released; every rank must
+        switch the same chunks in the same order) and makes the shard a view of it, freeing
+        the separate shard wherever it was. Sharding it again copies this rank's shard out of
+        the payload, which stays gathered until released.
+
+        Raises:
+            RuntimeError: A tensor is in use or holds a gradient (only ``HOLD``/``FREE``
+                tensors and no gradient buffer allow the switch).
+        """
+        self._require_closed("set_keep_gathered()")
+        self._sync()
+        keep = bool(keep)
+        if keep == self._keep_gathered:
+            return
+        busy = [f"{i.name} ({i.state.name})" for i in self._infos.values()
+                if i.state not in (TensorState.HOLD, TensorState.FREE)]
+        if busy or self._grad_buffer is not None:
+            raise RuntimeError(
+                f"chunk {self._chunk_id}: keep_gathered can only change between steps; "
+                f"tensors in use: {busy or 'none'}, pending gradient buffer: "
+                f"{self._grad_buffer is not None}"
+            )
+        lo, hi = self.shard_begin, self.shard_end
+        if keep:
+            self.gather()
+            assert self._payload is not None
+            old, old_loc = self._shard, self._shard_loc
+            self._shard, self._shard_loc = self._payload[lo:hi], "device"
+            self._alloc.free(old, old_loc)
+        else:
+            assert self._payload is not None
+            self._shard = self._alloc.copy_of(self._payload[lo:hi], "device", self._dtype,
+                                              "shard")
+        self._keep_gathered = keep
+
     def move_shard(self, location: Location) -> None:
         """Move the parameter shard to ``location`` (``"device"`` or ``"host"``).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -221,6 +222,36 @@ class ChunkManager:
     def in_flight(self) -> list[Chunk]:
         """Chunks prefetched and not accessed yet."""
         return list(self._prefetched.values())
+
+    def apply_placement(self, placements: Sequence[Any]) -> None:
+        """Apply one placement per chunk (``colossal.gemini.memory.ChunkPlacement`` or alike).
+
+        For each chunk, in order: switch ``keep_gathered`` (see
+        :meth:`Chunk.set_keep_gathered`; a chunk that becomes sharded is released unless it
+        is accessed), move the parameter shard to ``shard_location`` and the optimizer side
+        to ``master_location``. Every rank must apply the same plan (gathers are collectives).
+
+        Raises:
+            ValueError: The plan's length differs from the number of chunks, or it puts the
+                shard of a kept-gathered chunk on the host.
+        """
+        placements = list(placements)
+        if len(placements) != len(self.chunks):
+            raise ValueError(f"placement plan has {len(placements)} entries for "
+                             f"{len(self.chunks)} chunks; plan every chunk of this manager")
+        for chunk, place in zip(self.chunks, placements, strict=True):
+            if place.keep_gathered and place.shard_location != "device":
+                raise ValueError(f"placement for chunk {chunk.chunk_id} keeps it gathered "
+                                 f"but puts its shard on {place.shard_location!r}; a kept-"
+                                 "gathered chunk lives on the device")
+        for chunk, place in zip(self.chunks, placements, strict=True):
+            was_kept = chunk.keep_gathered
+            chunk.set_keep_gathered(place.keep_gathered)
+            if was_kept and not chunk.keep_gathered and chunk.chunk_id not in self._accessed:
+                chunk.release()
+            if not chunk.keep_gathered:
+                chunk.move_shard(place.shard_location)
+            chunk.move_master(place.master_location)
 
     # ----------------------------------------------------------------- memory
     def memory(self) -> dict[Location, int]:

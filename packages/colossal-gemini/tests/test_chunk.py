@@ -249,3 +249,22 @@ def test_single_process_chunk() -> None:
     # World 1 without a process group: no collective, same results.
     _check_sharded(0, 1)
     _check_keep_gathered(0, 1)
+
+
+def test_views_saved_by_autograd_see_the_regathered_payload() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(3, 5)
+    p = nn.Parameter(w.clone())
+    chunk = Chunk(16, None, torch.float32)
+    chunk.append("w", p)
+    chunk.close()
+    chunk.gather()
+    x = torch.randn(2, 5, requires_grad=True)
+    y = x @ p.t()  # autograd saves the view p.t() of the payload for x.grad
+    chunk.release()  # between forward and backward, as ZeRO-3 does
+    chunk.gather()
+    y.pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    (x_ref @ w.t()).pow(2).sum().backward()
+    # Catches a gather into a new buffer: the saved view would keep the old storage.
+    assert torch.equal(x.grad, x_ref.grad)

@@ -99,6 +99,7 @@ class ChunkBase:
         self._master: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self._reducing: tuple[Any, ...] | None = None  # launched reduction (see finish_reduce)
         self._shard_loc: Location = "device"
         self._master_loc: Location = "device"
 

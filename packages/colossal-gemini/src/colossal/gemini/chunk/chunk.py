@@ -277,6 +277,7 @@ class Chunk(ChunkBase):
             IllegalStateTransition: The tensor cannot become ``READY_FOR_REDUCE`` now.
         """
         self._require_closed("copy_grad()")
+        self.finish_reduce()
         info = self._info(param)
         if not self._requires_grad:
             raise ValueError(f"chunk {self._chunk_id} holds frozen parameters; {info.name!r} "
@@ -300,7 +301,14 @@ class Chunk(ChunkBase):
             i.state is TensorState.READY_FOR_REDUCE for i in self._infos.values()
         )
 
-    def reduce(self, *, average: bool = True, accumulate: bool = False) -> None:
+    def reduce(
+        self,
+        *,
+        average: bool = True,
+        accumulate: bool = False,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any | None:
         """Reduce the gradient buffer over the group into this rank's gradient shard.
 
         One reduce-scatter (``keep_gathered``: one all-reduce, then this rank's slice);
@@ -308,29 +316,61 @@ class Chunk(ChunkBase):
         same collective. The sum is cast to the gradient dtype (the master dtype, else the
         chunk dtype) and divided by the group size when ``average``. ``accumulate`` adds it
         to an existing gradient shard (gradient accumulation) instead of replacing it. The
-        buffer is freed; every tensor goes to ``HOLD`` (``FREE`` when released).
+        buffer is freed; every tensor goes to ``HOLD`` (``FREE`` when released) as soon as
+        the collective is launched.
+
+        Args:
+            average: Divide the sum by the group size.
+            accumulate: Add to the existing gradient shard.
+            group: Run the collective on this group instead of the chunk's (it must hold the
+                same ranks in the same order, e.g. a separate group for reductions).
+            async_op: Return the collective's handle; :meth:`finish_reduce` (called by any
+                later ``reduce``/``copy_grad``) waits for it and writes the gradient shard.
 
         Raises:
             ValueError: The chunk is frozen.
         """
         self._require_closed("reduce()")
         self._sync()
+        self.finish_reduce()
         if not self._requires_grad:
             raise ValueError(f"chunk {self._chunk_id} holds frozen parameters; nothing to reduce")
         if self._grad_buffer is None:
             self._grad_buffer = self._alloc.zeros("device", self._capacity, self._dtype,
                                                   "gradient buffer")
+        group = self._group if group is None else group
         buf, lo, hi = self._grad_buffer, self.shard_begin, self.shard_end
-        scratch = None
+        scratch, work = None, None
         if self._world == 1:
             summed = buf
         elif self._keep_gathered:
-            all_reduce(buf, group=self._group)
+            work = all_reduce(buf, group=group, async_op=async_op)
             summed = buf[lo:hi]
         else:
             scratch = self._alloc.empty("device", self.shard_size, self._dtype, "reduced grad")
-            reduce_scatter(scratch, buf, group=self._group)
+            work = reduce_scatter(scratch, buf, group=group, async_op=async_op)
             summed = scratch
+        self._reducing = (work, summed, scratch, average, accumulate)
+        after = TensorState.HOLD if self._gathered else TensorState.FREE
+        for info in self._infos.values():
+            info.state = after
+        if async_op:
+            return work
+        self.finish_reduce()
+        return None
+
+    @property
+    def reducing(self) -> bool:
+        """Whether an asynchronous reduction is launched and not finished."""
+        return self._reducing is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for a launched reduction and write the gradient shard (no-op if none)."""
+        if self._reducing is None:
+            return
+        (work, summed, scratch, average, accumulate), self._reducing = self._reducing, None
+        if work is not None:
+            work.wait()
         assert self._grad_dtype is not None
         reduced = summed.to(device=physical_device(self._master_loc), dtype=self._grad_dtype,
                             copy=True)
@@ -347,9 +387,6 @@ class Chunk(ChunkBase):
             self.grad_shard.copy_(reduced)
         self._alloc.free(self._grad_buffer, "device")
         self._grad_buffer = None
-        after = TensorState.HOLD if self._gathered else TensorState.FREE
-        for info in self._infos.values():
-            info.state = after
 
     def free_grad_shard(self) -> None:
         """Drop the gradient shard (after the optimizer step)."""

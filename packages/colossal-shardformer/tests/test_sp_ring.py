@@ -31,7 +31,7 @@ def _case(
     """One comparison; returns how many blocks this rank computed, and how many by matmul."""
     from _sp_attention_cases import check_slice, reference_case
 
-    from colossal.shardformer.sequence import ring
+    from colossal.shardformer.sequence import ring, ring_blocks
     from colossal.shardformer.sequence.layout import token_indices
 
     full, w, ref = reference_case(7, mask, causal, hk)
@@ -40,7 +40,7 @@ def _case(
     mine = positions[rank]
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
     calls: list[str] = []
-    original, scores = ring._block_forward, ring._scores
+    original, scores = ring._block_forward, ring_blocks._scores
 
     def counting(*args: Any) -> Any:
         calls.append("block")
@@ -50,14 +50,16 @@ def _case(
         calls.append("matmul")
         return scores(*args)
 
-    ring._block_forward, ring._scores, ring._FUSED = counting, counting_scores, fused
+    ring._block_forward, ring_blocks._scores = counting, counting_scores
+    ring_blocks._FUSED = fused
     try:
         chunks = 2 if layout == "zigzag" else 1
         out = ring.ring_attention(*local, positions, mask, causal, chunks=chunks)
         counts = calls.count("block"), calls.count("matmul")
         (out * w[:, :, mine]).sum().backward()
     finally:
-        ring._block_forward, ring._scores, ring._FUSED = original, scores, True
+        ring._block_forward, ring_blocks._scores = original, scores
+        ring_blocks._FUSED = True
     assert torch.isfinite(out).all(), name
     check_slice(out, local, full, ref, mine, f"{name} (rank {rank}/{size})")
     return counts
@@ -120,12 +122,14 @@ def _rotation(name: str) -> Any:
 
 
 def _comm_allgather(rank: int, world_size: int) -> None:
-    """All-gather rotation: one all-gather of the key/value blocks forward; backward gathers
-    them again and returns the gradients in one all-to-all; no point-to-point traffic.
+    """All-gather rotation: one all-gather of the key/value blocks forward; backward reuses
+    them (or, with ``_KEEP_GATHERED`` off, gathers them again) and returns the gradients in
+    one all-to-all; no point-to-point traffic.
 
-    Catches an extra or missing collective (e.g. a per-block exchange left over), the
-    gradients reduced with more traffic than one all-to-all, and the own block's compute not
-    overlapping the gather (the gather waited for before computing).
+    Catches an extra or missing collective (e.g. a per-block exchange left over, or the
+    backward gathering again although the forward kept the blocks), the gradients reduced
+    with more traffic than one all-to-all, and the own block's compute not overlapping the
+    gather (the gather waited for before computing).
     """
     import colossal.core.comm as comm
     from colossal.core import CommTracker
@@ -136,14 +140,26 @@ def _comm_allgather(rank: int, world_size: int) -> None:
     q, k, v = (torch.randn(b, h, s // world_size, d, requires_grad=True) for _ in range(3))
     positions = [token_indices(s, r, world_size, "zigzag") for r in range(world_size)]
     kv_bytes = 2 * k.numel() * 4
-    with CommTracker() as fwd:
-        out = ring.ring_attention(q, k, v, positions)
-    with CommTracker() as bwd:
-        out.sum().backward()
-    assert fwd.calls("send") == bwd.calls("send") == 0
-    assert fwd.calls("all_gather") == bwd.calls("all_gather") == 1
-    assert fwd.calls("all_to_all") == 0 and bwd.calls("all_to_all") == 1
-    assert bwd.bytes("all_to_all") == world_size * kv_bytes  # every rank's share, fp32
+    grads = {}
+    for keep in (True, False):
+        old, ring._KEEP_GATHERED = ring._KEEP_GATHERED, keep
+        try:
+            with CommTracker() as fwd:
+                out = ring.ring_attention(q, k, v, positions)
+            with CommTracker() as bwd:
+                out.sum().backward()
+        finally:
+            ring._KEEP_GATHERED = old
+        assert fwd.calls("send") == bwd.calls("send") == 0
+        assert fwd.calls("all_gather") == 1
+        assert bwd.calls("all_gather") == (0 if keep else 1), (keep, bwd.calls("all_gather"))
+        assert fwd.calls("all_to_all") == 0 and bwd.calls("all_to_all") == 1
+        assert bwd.bytes("all_to_all") == world_size * kv_bytes  # every rank's share, fp32
+        grads[keep] = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+    for kept, gathered in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(kept, gathered, rtol=0, atol=0)  # the same blocks either way
 
     events: list[str] = []
     originals = (comm.all_gather, ring._block_forward, ring._wait)

@@ -49,13 +49,13 @@ def _run(rank: int, size: int, full: list[torch.Tensor], w: torch.Tensor) -> lis
 
 @distributed_test(2)
 def test_ring_tiled_diagonals(rank: int, world_size: int) -> None:
-    from colossal.shardformer.sequence import ring
+    from colossal.shardformer.sequence import ring_blocks
 
     s, h, hk, d = 1024, 4, 2, 16
     full = _full(s, h, hk, d)
     w = torch.randn(1, h, s, d, generator=torch.Generator().manual_seed(5))
     calls: list[str] = []
-    fwd, bwd = ring._tiled_fwd, ring._tiled_bwd
+    fwd, bwd = ring_blocks._tiled_fwd, ring_blocks._tiled_bwd
 
     def counted(name: str, fn: Any) -> Any:
         def inner(*args: Any) -> Any:
@@ -65,11 +65,11 @@ def test_ring_tiled_diagonals(rank: int, world_size: int) -> None:
 
         return inner
 
-    ring._tiled_fwd, ring._tiled_bwd = counted("fwd", fwd), counted("bwd", bwd)
+    ring_blocks._tiled_fwd, ring_blocks._tiled_bwd = counted("fwd", fwd), counted("bwd", bwd)
     try:
         tiled = _run(rank, world_size, full, w)
     finally:
-        ring._tiled_fwd, ring._tiled_bwd = fwd, bwd
+        ring_blocks._tiled_fwd, ring_blocks._tiled_bwd = fwd, bwd
     assert calls == ["fwd", "fwd", "bwd", "bwd"], calls  # the rank's two diagonal chunks
 
     # fp64 attention over the whole sequence, at this rank's tokens.
@@ -85,11 +85,11 @@ def test_ring_tiled_diagonals(rank: int, world_size: int) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")
 
     # The same ring with one plain kernel call per diagonal.
-    original = ring.tiled_causal_block
-    ring.tiled_causal_block = lambda *a, **k: None
+    original = ring_blocks.tiled_causal_block
+    ring_blocks.tiled_causal_block = lambda *a, **k: None
     try:
         plain = _run(rank, world_size, full, w)
     finally:
-        ring.tiled_causal_block = original
+        ring_blocks.tiled_causal_block = original
     for name, a, b in zip(("out", "dq", "dk", "dv"), tiled, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

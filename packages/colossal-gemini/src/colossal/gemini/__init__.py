@@ -30,6 +30,7 @@ from colossal.gemini.memory import (
     StaticPlacement,
     StepRecord,
 )
+from colossal.gemini.optim import GeminiOptimizer
 
 __all__ = [
     "DEVICE_MEMORY_LIMIT_ENV",
@@ -41,6 +42,7 @@ __all__ = [
     "ChunkSearchResult",
     "DeviceMemoryBudget",
     "DeviceMemoryExceeded",
+    "GeminiOptimizer",
     "IllegalStateTransition",
     "Location",
     "MemStats",

@@ -1,11 +1,14 @@
-"""A cross entropy that keeps only the logits and a per-row log-sum-exp for the backward.
+"""A cross entropy that keeps only the logits (and the targets) for the backward.
 
 ``F.cross_entropy`` runs ``log_softmax`` then ``nll_loss`` and saves the log-probabilities, a
 second ``[tokens, vocab]`` tensor next to the logits the model returns anyway. For a language
-model that tensor is the largest activation of the step. :func:`cross_entropy` computes the
-same loss from the logits and ``lse = logsumexp(logits, -1)`` (in row chunks, so no full-size
-temporary either), saves the logits, ``lse`` and the targets, and builds
-``softmax - onehot`` in the backward directly into the one gradient tensor it returns.
+model that tensor is the largest activation of the step. :func:`cross_entropy` runs
+``log_softmax`` in row chunks into one reused chunk-sized buffer, keeps only each row's
+target log-probability, saves the logits and the targets, and in the backward writes
+``softmax(logits)`` chunk by chunk straight into the one gradient tensor it returns, then
+subtracts the one-hot targets and scales in place. (PyTorch's fused ``_log_softmax`` /
+``_softmax`` kernels make one pass per row; a ``logsumexp`` + ``exp(x - lse)`` formulation
+measured 2.5x / 1.8x slower.)
 
 Everything is computed in (at least) float32, as transformers' ``ForCausalLMLoss`` does with
 ``logits.float()``; the gradient comes back in the logits' dtype.
@@ -24,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 REDUCTIONS = ("mean", "sum", "none")
 _CHUNK_ELEMENTS = 1 << 20
-"""Elements per row chunk of the forward's log-sum-exp and the backward (4 MB in float32)."""
+"""Elements per row chunk of the forward's log-softmax and the backward (4 MB in float32)."""
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -50,14 +53,17 @@ class _LeanCrossEntropy(torch.autograd.Function):
         valid = tgt != ignore_index
         safe = tgt.masked_fill(~valid, 0)
         rows = flat.shape[0]
-        lse = torch.empty(rows, dtype=compute, device=flat.device)
         step = _chunk_rows(vocab)
+        logp = torch.empty(min(step, rows), vocab, dtype=compute, device=flat.device)
+        picked = torch.empty(rows, dtype=compute, device=flat.device)
         for start in range(0, rows, step):
             block = flat[start : start + step].to(compute)  # no copy when already `compute`
-            torch.logsumexp(block, -1, out=lse[start : start + step])
-        picked = flat.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(compute)
-        losses = (lse - picked).masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(logits, lse, safe, valid, denom)
+            stop = start + block.shape[0]
+            out = logp[: block.shape[0]]
+            torch.ops.aten._log_softmax.out(block, -1, False, out=out)
+            picked[start:stop] = out.gather(-1, safe[start:stop, None]).squeeze(-1)
+        losses = picked.neg_().masked_fill_(~valid, 0.0)
+        ctx.save_for_backward(logits, safe, valid, denom)
         ctx.reduction = reduction
         if reduction == "none":
             return losses.view(target.shape)
@@ -66,10 +72,10 @@ class _LeanCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits, lse, safe, valid, denom = ctx.saved_tensors
+        logits, safe, valid, denom = ctx.saved_tensors
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
-        compute = lse.dtype
+        compute = torch.promote_types(logits.dtype, torch.float32)
         if ctx.reduction == "none":
             scale = grad_out.reshape(-1).to(compute)
         else:
@@ -84,11 +90,9 @@ class _LeanCrossEntropy(torch.autograd.Function):
         step = _chunk_rows(vocab)
         for start in range(0, flat.shape[0], step):
             stop = start + step
-            if in_place:
-                buf = torch.sub(flat[start:stop], lse[start:stop, None], out=grad[start:stop])
-            else:
-                buf = flat[start:stop].to(compute).sub_(lse[start:stop, None])
-            buf.exp_()
+            block = flat[start:stop].to(compute)  # no copy when already `compute`
+            buf = grad[start:stop] if in_place else torch.empty_like(block)
+            torch.ops.aten._softmax.out(block, -1, False, out=buf)
             minus_one = torch.full((buf.shape[0], 1), -1.0, dtype=compute, device=buf.device)
             buf.scatter_add_(-1, safe[start:stop, None], minus_one)
             buf.mul_(weight[start:stop, None])

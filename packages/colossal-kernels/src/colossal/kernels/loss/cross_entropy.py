@@ -161,9 +161,9 @@ def cross_entropy(
     """Cross entropy of ``logits (..., V)`` against class ids, saving no log-probabilities.
 
     Equal to ``F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), ...)``
-    (loss and gradient), but the backward keeps only ``logits`` (already alive), a float32
-    log-sum-exp per row and the targets, so one ``[tokens, V]`` float32 tensor less is alive
-    between forward and backward. The forward computes the log-sum-exp in row chunks (no
+    (loss and gradient), but the backward keeps only ``logits`` (already alive) and the
+    targets, so one ``[tokens, V]`` float32 tensor less is alive between forward and
+    backward. The forward's log-softmax runs in row chunks into one chunk-sized buffer (no
     full-size temporary); the backward allocates only the gradient it returns.
 
     Args:

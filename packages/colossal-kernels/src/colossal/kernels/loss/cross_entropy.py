@@ -35,7 +35,7 @@ def _chunk_rows(vocab: int) -> int:
 
 
 class _LeanCrossEntropy(torch.autograd.Function):
-    """Per-row or reduced cross entropy of ``logits (..., V)``; saves logits, lse, targets."""
+    """Per-row or reduced cross entropy of ``logits (..., V)``; saves the logits and targets."""
 
     @staticmethod
     def forward(

@@ -17,6 +17,7 @@ from colossal.gemini.chunk import (
     TensorState,
     search_chunk_configuration,
 )
+from colossal.gemini.ddp import GeminiDDP, TrainableShard
 from colossal.gemini.memory import (
     DEVICE_MEMORY_LIMIT_ENV,
     AutoPlacement,
@@ -42,6 +43,7 @@ __all__ = [
     "ChunkSearchResult",
     "DeviceMemoryBudget",
     "DeviceMemoryExceeded",
+    "GeminiDDP",
     "GeminiOptimizer",
     "IllegalStateTransition",
     "Location",
@@ -52,6 +54,7 @@ __all__ = [
     "StepRecord",
     "TensorInfo",
     "TensorState",
+    "TrainableShard",
     "__version__",
     "search_chunk_configuration",
 ]

@@ -1,0 +1,226 @@
+"""Module and parameter hooks that gather, release and reduce chunks around forward/backward.
+
+* forward pre-hook (modules that directly own managed parameters): gather their chunks,
+  tensors ``HOLD -> COMPUTE``, record the access;
+* forward post-hook: ``COMPUTE -> HOLD``; a sharded chunk is released once every tensor of it
+  has been used in this forward and none is computing (one gather per chunk per forward,
+  except a tied weight used again later); a multi-grad hook on the call's outputs tells the
+  backward walk (``order.py``) when the call's backward starts;
+* post-accumulate-grad hook (trainable parameters): copy ``p.grad`` into the chunk's gradient
+  buffer, drop ``p.grad``, let the walk launch what became ready; the first one queues the
+  end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.hooks import RemovableHandle
+
+from colossal.gemini.chunk import Chunk, ChunkManager, TensorState
+from colossal.gemini.ddp.order import BackwardWalk, ForwardRecord
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkRuntime"]
+
+
+def _unique(chunks: Sequence[Chunk]) -> list[Chunk]:
+    seen: set[int] = set()
+    out = []
+    for c in chunks:
+        if c.chunk_id not in seen:
+            seen.add(c.chunk_id)
+            out.append(c)
+    return out
+
+
+class ChunkRuntime:
+    """The per-step state of the hooks: the forward record and the backward walk.
+
+    Args:
+        manager: The model's chunk manager.
+        reduce_group: Process group for the reductions (same ranks as the chunks' group).
+        accumulate: Add each backward's reduced gradient to the existing gradient shard.
+        before_gather: Called with the chunks about to be gathered and the step index (the
+            auto placement's eviction point); may be ``None``.
+        fits: Whether ``nbytes`` more fit on the device (the budget's ``fits``); when not,
+            launched reductions are waited for to free their gradient buffers.
+    """
+
+    def __init__(
+        self,
+        manager: ChunkManager,
+        reduce_group: Any,
+        *,
+        accumulate: bool = False,
+        before_gather: Callable[[list[Chunk], int], None] | None = None,
+        fits: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.manager = manager
+        self.reduce_group = reduce_group
+        self.accumulate = accumulate
+        self.before_gather = before_gather
+        self.fits = fits
+        self.record = ForwardRecord()
+        self.previous: list[Chunk] = []  # last forward's access sequence (forward prefetch)
+        self.walk: BackwardWalk | None = None
+        self.step = 0  # module steps (pre-forward and pre-backward events) this iteration
+        self._used: set[int] = set()  # ids of parameters used in this forward
+        self._callback_queued = False
+        self._calls: dict[int, list[int]] = {}  # open call ids per module (re-entrant calls)
+        self._handles: list[RemovableHandle] = []
+
+    # ------------------------------------------------------------------ installing
+    def install(self, module: nn.Module) -> None:
+        """Hook every submodule that directly owns managed parameters and every trainable one."""
+        for sub in module.modules():
+            params = [p for p in sub.parameters(recurse=False)]
+            if not params:
+                continue
+            self._handles.append(sub.register_forward_pre_hook(self._pre_forward(params)))
+            self._handles.append(sub.register_forward_hook(self._post_forward(params)))
+        seen: set[int] = set()
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ forward
+    def start_forward(self) -> None:
+        """A new root forward: forget the last record (a forward without backward included)."""
+        if self.walk is not None and not self.walk.finished:
+            logger.debug("a new forward began before the last backward finished; resetting")
+        if self.record.entries:
+            self.previous = self.record.chunks()
+        self.record = ForwardRecord()
+        self.walk = None
+        self.step = 0
+        self._used.clear()
+
+    def _gather(self, chunks: list[Chunk]) -> None:
+        if self.walk is not None:
+            self.walk.poll()
+            need = sum(c.payload_bytes for c in chunks if not c.is_gathered)
+            self._make_room(need)
+        todo = [c for c in chunks if not c.is_gathered]
+        if todo and self.before_gather is not None:
+            self.before_gather(todo, self.step)
+        for c in chunks:
+            self.manager.access(c)
+
+    def _pre_forward(self, params: list[nn.Parameter]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            chunks = _unique([self.manager.chunk_of(p) for p in params])
+            self._gather(chunks)
+            self.step += 1
+            position = len(self.record.entries)
+            self._calls.setdefault(id(module), []).append(self.record.new_call(chunks))
+            for p in params:
+                self.manager.chunk_of(p).set_state(p, TensorState.COMPUTE)
+            ahead = self.previous[position + len(chunks) :]
+            if ahead and self.manager.max_prefetch:
+                self.manager.prefetch(ahead)
+
+        return hook
+
+    def _post_forward(self, params: list[nn.Parameter]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            call = self._calls[id(module)].pop()
+            chunks = _unique([self.manager.chunk_of(p) for p in params])
+            for p in params:
+                self.manager.chunk_of(p).set_state(p, TensorState.HOLD)
+                self._used.add(id(p))
+            for chunk in chunks:
+                if chunk.keep_gathered or not chunk.is_gathered:
+                    continue
+                if all(id(p) in self._used for p in chunk.params) and all(
+                    i.state is TensorState.HOLD for i in chunk.infos.values()
+                ):
+                    self.manager.release(chunk)
+            outs = [t for t in pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and torch.is_grad_enabled():
+                register_multi_grad_hook(outs, self._pre_backward(call), mode="any")
+            else:
+                self.record.drop_call(call)
+            return None
+
+        return hook
+
+    # ------------------------------------------------------------------ backward
+    def _ensure_walk(self) -> BackwardWalk:
+        if self.walk is None:
+            if any(c.reducing for c in self.manager.chunks):
+                raise RuntimeError("a reduction of the last backward is still in flight")
+            self.walk = BackwardWalk(
+                self.record,
+                [c for c in self.manager.chunks if c.requires_grad],
+                gather=lambda c: self._gather([c]),
+                release=self.manager.release,
+                launch=self._launch,
+                prefetch=self.manager.prefetch if self.manager.max_prefetch else None,
+            )
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        return self.walk
+
+    def _make_room(self, nbytes: int) -> None:
+        if self.walk is not None and self.fits is not None and nbytes:
+            self.walk.make_room(lambda: self.fits(nbytes))  # type: ignore[misc]
+
+    def _launch(self, chunk: Chunk) -> Any:
+        accumulate = self.accumulate and chunk.grad_shard is not None
+        return chunk.reduce(accumulate=accumulate, group=self.reduce_group, async_op=True)
+
+    def _pre_backward(self, call: int) -> Callable[..., None]:
+        def hook(grads: Any) -> None:
+            walk = self._ensure_walk()
+            self.step += 1
+            walk.reached(call)
+
+        return hook
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        walk = self._ensure_walk()
+        chunk = self.manager.chunk_of(param)  # type: ignore[arg-type]
+        if not chunk.reducing and chunk.memory()["device"] < chunk.payload_bytes * 2:
+            self._make_room(chunk.payload_bytes)  # the gradient buffer comes next
+        chunk.copy_grad(param, grad)  # type: ignore[arg-type]
+        param.grad = None
+        walk.try_launch()
+
+    def finish_backward(self) -> None:
+        """End of backward: finish the walk (every rank the same collectives); idempotent."""
+        self._callback_queued = False
+        if self.walk is not None and self.walk.finished:
+            return
+        if self.walk is None:
+            if not self.record.entries and not any(c.requires_grad for c in self.manager.chunks):
+                return
+            self.walk = BackwardWalk(
+                self.record,
+                [c for c in self.manager.chunks if c.requires_grad],
+                gather=lambda c: self._gather([c]),
+                release=self.manager.release,
+                launch=self._launch,
+            )
+        self.walk.finish()
+        self.previous = self.record.chunks()
+        self.record = ForwardRecord()

@@ -209,6 +209,17 @@ def _sgd(groups):
     return torch.optim.SGD(groups, lr=0.2)
 
 
+def _hybrid_l2(groups):
+    """Adam with L2 weight decay (added to the gradient): unlike AdamW, a gradient left
+    multiplied by the loss scale or not clipped changes its update (the decay term does not
+    scale with it), so this catches a dropped ``div_scale``."""
+    return HybridAdam(groups, lr=0.01, adamw_mode=False)
+
+
+def _adam_l2(groups):
+    return torch.optim.Adam(groups, lr=0.01)
+
+
 def _run_case(rank: int, world_size: int, dtype: torch.dtype, make_opt, ref_opt, *,
               max_norm: float = 0.0, norm_type: float = 2.0, explicit_clip: bool = False,
               **kw) -> tuple[GeminiOptimizer, _Chunked, nn.Module, list, list, list, list]:
@@ -253,7 +264,7 @@ def test_mixed_precision_loss_scaling_and_clipping(rank: int, world_size: int) -
     for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
         # Catches: the loss not scaled/unscaled (SGD), the divisor not fused into
         # HybridAdam's step (div_scale), low-precision shards not refreshed from masters.
-        for make, ref_opt in ((_sgd, _sgd), (_hybrid, _adamw)):
+        for make, ref_opt in ((_sgd, _sgd), (_hybrid_l2, _adam_l2)):
             opt, gem, ref, losses, want, _, _ = _run_case(
                 rank, world_size, dtype, make, ref_opt, initial_scale=2**10)
             assert opt.loss_scale == (2**10 if dtype == torch.float16 else 1.0)
@@ -263,10 +274,12 @@ def test_mixed_precision_loss_scaling_and_clipping(rank: int, world_size: int) -
     # Clipping (max_norm below every step's norm, so every step clips). Catches: a norm that
     # counts a kept-gathered chunk once per rank, forgets the loss scale, or misses a rank's
     # shard (norm != torch's clip_grad_norm_), and a clip factor applied inverted or twice.
-    for norm_type, explicit in ((2.0, False), (math.inf, True)):
+    for norm_type, explicit, make, ref_opt in ((2.0, False, _sgd, _sgd),
+                                               (math.inf, True, _sgd, _sgd),
+                                               (2.0, False, _hybrid_l2, _adam_l2)):
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             opt, gem, ref, losses, want, norms, want_norms = _run_case(
-                rank, world_size, dtype, _sgd, _sgd, max_norm=0.05, norm_type=norm_type,
+                rank, world_size, dtype, make, ref_opt, max_norm=0.05, norm_type=norm_type,
                 explicit_clip=explicit, initial_scale=2**10)
             assert min(want_norms) > 0.05
             assert norms == pytest.approx(want_norms, rel=tol)

@@ -256,8 +256,12 @@ class GeminiOptimizer(OptimizerWrapper):
         if max_norm > 0 and max_norm / (norm + _CLIP_EPS) < 1.0:
             divisor *= (norm + _CLIP_EPS) / max_norm
         self._apply(divisor)
-        for chunk in self._chunks:
-            chunk.update_shard_from_master()
+        refresh = getattr(self.module, "after_optimizer_step", None)
+        if callable(refresh):  # GeminiDDP: refreshes every trainable chunk's shard
+            refresh()
+        else:
+            for chunk in self._chunks:
+                chunk.update_shard_from_master()
         self.zero_grad()
 
     def _apply(self, divisor: float) -> None:

@@ -62,8 +62,10 @@ class GeminiOptimizer(OptimizerWrapper):
 
     Under fp16 the loss is multiplied by a dynamic loss scale; a step whose gradients hold an
     inf/NaN on any rank is skipped on every rank (the verdict is agreed), the scale backs off
-    and the gradients are dropped. bf16 and fp32 train unscaled. Every step issues one
-    all-reduce of two numbers (overflow flag, gradient-norm term) over the chunks' group.
+    and the gradients are dropped. bf16 and fp32 train unscaled. A step that needs the
+    overflow verdict (fp16) or the norm (clipping) measures both in one pass over the gradient
+    shards and one all-reduce of two numbers over the chunks' group; a bf16/fp32 step without
+    clipping measures nothing (as ColossalAI's, :meth:`get_grad_norm` is then ``None``).
 
     Args:
         optim: The optimizer over the original model's parameters; its state must be empty.
@@ -209,7 +211,8 @@ class GeminiOptimizer(OptimizerWrapper):
         """The global norm of the last step's gradients (unscaled; ``inf`` on overflow).
 
         After :meth:`clip_grad_by_norm` it is the norm of the pending gradients; ``None``
-        before any step. Not a collective: it returns what the step measured.
+        before any step and after a step that measured nothing (bf16/fp32 without clipping).
+        Not a collective: it returns what the step measured.
         """
         return self._last_norm
 
@@ -231,11 +234,17 @@ class GeminiOptimizer(OptimizerWrapper):
 
         Raises:
             ValueError: A closure was given.
-            FloatingPointError: bf16/fp32 gradients hold an inf or NaN (the step is skipped
-                and the gradients dropped first).
+            FloatingPointError: bf16/fp32 gradients hold an inf or NaN, found when clipping
+                measured them (the step is skipped and the gradients dropped first).
         """
         if closure is not None:
             raise ValueError("GeminiOptimizer.step does not take a closure")
+        max_norm = self._pending_clip or self.max_norm
+        if self.scaler is None and max_norm <= 0:
+            self._last_norm = None
+            self._apply(1.0)
+            self._finish()
+            return
         stats = self._grad_stats()
         norm = self._unscaled_norm(stats)
         self._last_norm = norm
@@ -252,10 +261,12 @@ class GeminiOptimizer(OptimizerWrapper):
                 self.scaler.scale)
             return
         divisor = self.loss_scale
-        max_norm = self._pending_clip or self.max_norm
         if max_norm > 0 and max_norm / (norm + _CLIP_EPS) < 1.0:
             divisor *= (norm + _CLIP_EPS) / max_norm
         self._apply(divisor)
+        self._finish()
+
+    def _finish(self) -> None:
         refresh = getattr(self.module, "after_optimizer_step", None)
         if callable(refresh):  # GeminiDDP: refreshes every trainable chunk's shard
             refresh()

@@ -277,7 +277,11 @@ class GeminiOptimizer(OptimizerWrapper):
 
     def _apply(self, divisor: float) -> None:
         for v in self.master_views:
-            v.rebind()
+            if v.rebind():  # the master moved (placement): its states follow it
+                state = self.optim.state.get(v.view, {})
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor) and t.numel() == v.numel:
+                        state[key] = t.to(v.view.device)
             v.view.grad = v.grad()
         if self._fused_div:
             self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0)

@@ -236,8 +236,11 @@ class _RingAttention(torch.autograd.Function):
         if gather:  # every rank's share of this rank's block, in one all-to-all
             from colossal.core.comm import all_to_all
 
+            # the forward's gathered blocks (and views of them) are done with: free them first
+            ctx.kept = cur = share = None
             got = torch.empty_like(shares)
             all_to_all(got, shares, group=ring.group)
+            del shares
             dkv = got.sum(0)
         _wait(pending)  # ring: after P hops, this rank's own block, every share summed
         dk, dvv = _unpack(dkv, (k, v))

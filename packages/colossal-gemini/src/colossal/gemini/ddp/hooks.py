@@ -165,18 +165,22 @@ class ChunkRuntime:
         if self.walk is None:
             if any(c.reducing for c in self.manager.chunks):
                 raise RuntimeError("a reduction of the last backward is still in flight")
-            self.walk = BackwardWalk(
-                self.record,
-                [c for c in self.manager.chunks if c.requires_grad],
-                gather=lambda c: self._gather([c]),
-                release=self.manager.release,
-                launch=self._launch,
-                prefetch=self.manager.prefetch if self.manager.max_prefetch else None,
-            )
+            self.walk = self._new_walk(prefetch=True)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
         return self.walk
+
+    def _new_walk(self, prefetch: bool) -> BackwardWalk:
+        """The backward walk over the recorded forward (prefetching when asked and enabled)."""
+        return BackwardWalk(
+            self.record,
+            [c for c in self.manager.chunks if c.requires_grad],
+            gather=lambda c: self._gather([c]),
+            release=self.manager.release,
+            launch=self._launch,
+            prefetch=self.manager.prefetch if prefetch and self.manager.max_prefetch else None,
+        )
 
     def _make_room(self, nbytes: int) -> None:
         if self.walk is not None and self.fits is not None and nbytes:
@@ -214,13 +218,7 @@ class ChunkRuntime:
         if self.walk is None:
             if not self.record.entries and not any(c.requires_grad for c in self.manager.chunks):
                 return
-            self.walk = BackwardWalk(
-                self.record,
-                [c for c in self.manager.chunks if c.requires_grad],
-                gather=lambda c: self._gather([c]),
-                release=self.manager.release,
-                launch=self._launch,
-            )
+            self.walk = self._new_walk(prefetch=False)
         self.walk.finish()
         self.previous = self.record.chunks()
         self.record = ForwardRecord()

@@ -78,7 +78,7 @@ def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.T
 
 
 def make_booster(plugin: str, precision: str = "fp32", **kwargs: Any) -> Booster:
-    """``plugin`` in none|ddp|zero1|zero2|fsdp."""
+    """``plugin`` in none|ddp|zero1|zero2|fsdp|gemini."""
     from colossal.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
 
     if plugin == "none":
@@ -96,6 +96,10 @@ def make_booster(plugin: str, precision: str = "fp32", **kwargs: Any) -> Booster
         from colossal.booster.plugin import TorchFSDPPlugin
 
         return Booster(plugin=TorchFSDPPlugin(precision=precision, **kwargs))
+    if plugin == "gemini":
+        from colossal.booster.plugin import GeminiPlugin
+
+        return Booster(plugin=GeminiPlugin(precision=precision, **kwargs))
     raise ValueError(plugin)
 
 

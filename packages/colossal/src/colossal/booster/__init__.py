@@ -34,6 +34,7 @@ __all__ = [
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
+    "GeminiPlugin",
     "LowLevelZeroPlugin",
     "MixedPrecision",
     "Plugin",
@@ -42,7 +43,7 @@ __all__ = [
     "__version__",
 ]
 
-_PLUGINS = ("LowLevelZeroPlugin", "TorchDDPPlugin", "TorchFSDPPlugin")
+_PLUGINS = ("GeminiPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "TorchFSDPPlugin")
 
 
 def __getattr__(name: str) -> Any:

@@ -7,12 +7,20 @@ from typing import Any
 
 from colossal.booster.plugin.base import DPPluginBase, Plugin
 
-__all__ = ["DPPluginBase", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin", "TorchFSDPPlugin"]
+__all__ = [
+    "DPPluginBase",
+    "GeminiPlugin",
+    "LowLevelZeroPlugin",
+    "Plugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+]
 
 _LAZY = {
     "TorchDDPPlugin": "colossal.booster.plugin.torch_ddp",
     "LowLevelZeroPlugin": "colossal.booster.plugin.low_level_zero",
     "TorchFSDPPlugin": "colossal.booster.plugin.torch_fsdp",
+    "GeminiPlugin": "colossal.booster.plugin.gemini",
 }
 
 

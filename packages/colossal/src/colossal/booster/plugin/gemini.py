@@ -1,0 +1,337 @@
+"""GeminiPlugin: chunk-based ZeRO-3 with heterogeneous memory behind the Booster API.
+
+Wraps ``colossal.gemini``: the model in :class:`~colossal.gemini.GeminiDDP` (its parameters
+move into flat chunks sharded over the data-parallel group, gathered around their use), the
+optimizer in :class:`~colossal.gemini.GeminiOptimizer` (the user's optimizer steps this
+rank's fp32 master shards; fp16 dynamic loss scaling, global-norm clipping). Build the
+optimizer over the model's parameters before boosting: Gemini moves the parameters' data
+into chunks, and the optimizer is rebuilt over the master shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from colossal.booster.plugin.base import DPPluginBase, find_module, materialize_model
+from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+from colossal.booster.plugin.gemini_config import (
+    GeminiConfig,
+    normalize_chunk_config,
+    refuse_shardformer_options,
+)
+from colossal.checkpoint_io import CheckpointIO
+from colossal.core import OptimizerWrapper, ScalerConfig, get_accelerator
+from colossal.gemini import GeminiDDP, GeminiOptimizer, MemStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GeminiPlugin"]
+
+
+class GeminiPlugin(DPPluginBase):
+    """ZeRO-3 on chunks (``colossal.gemini``) with static or automatic device/host placement.
+
+    Parameters are packed in order of first use into chunks of a searched size, sharded
+    evenly over the data-parallel group; each chunk is all-gathered before its parameters
+    compute and released after, and its gradients are reduce-scattered as soon as they are
+    complete. The plugin controls precision (the chunks hold ``precision`` parameters; fp32
+    masters are sharded too). Build the optimizer over the model's parameters *before*
+    boosting (Gemini moves the parameters into chunks).
+
+    Args:
+        chunk_config_dict: ``{"chunk_size": elements, "keep_gathered": bool}`` (or
+            ColossalAI's ``{dp_size: {...}}``); None searches the chunk size.
+        chunk_init_device: Accepted for compatibility: chunks are built on the accelerator
+            and the placement policy decides what moves to the host (use
+            ``offload_param_frac``/``offload_optim_frac`` for that).
+        placement_policy: ``"static"`` (fixed fractions below) or ``"auto"`` (a runtime
+            tracer measures the first steps; chunks used furthest ahead are evicted to the
+            host when the device would exceed its capacity).
+        enable_gradient_accumulation: Each backward adds to the gradient shards until the
+            optimizer step (needed for :meth:`no_sync` / several backwards per step).
+        shard_param_frac: Static: fraction of the parameters sharded (1.0 is ZeRO-3, 0.0
+            keeps every chunk gathered, ZeRO-2-like).
+        offload_optim_frac: Static: fraction of the fp32 masters and optimizer states kept
+            on the host.
+        offload_param_frac: Static: fraction of the parameter shards kept on the host.
+        warmup_non_model_data_ratio: Auto: device share for model data before memory stats.
+        steady_cuda_cap_ratio: Auto: device share for model data once traced.
+        precision: ``"fp16"`` (dynamic loss scaling), ``"bf16"`` or ``"fp32"``.
+        master_weights: Keep fp32 master shards (else the low-precision shards are updated).
+        pin_memory: Pin host tensors (effective with CUDA only; accepted on CPU).
+        force_outputs_fp32: Cast the model's floating outputs to fp32.
+        strict_ddp_mode: Accepted for compatibility (every parameter is managed by Gemini).
+        search_range_m: Chunk-size search range in 2**20 elements.
+        hidden_dim: The model's hidden size (the search's step), optional.
+        min_chunk_size_m: Smallest searched chunk size in 2**20 elements.
+        memstats: A traced :class:`colossal.gemini.MemStats` of the model (parameter order,
+            the auto policy's next-use table).
+        gpu_margin_mem_ratio: Accepted for compatibility (ColossalAI's hybrid CPU optimizer
+            margin); it has no effect here: the auto policy's budget is
+            ``steady_cuda_cap_ratio`` of the device memory (or ``device_memory_limit``).
+        initial_scale: fp16 loss scaler: initial scale.
+        min_scale: fp16 loss scaler: smallest scale.
+        growth_factor: fp16 loss scaler: growth multiplier.
+        backoff_factor: fp16 loss scaler: backoff multiplier.
+        growth_interval: fp16 loss scaler: clean steps between growths.
+        hysteresis: fp16 loss scaler: overflows tolerated before a backoff.
+        max_scale: fp16 loss scaler: largest scale.
+        max_norm: Clip gradients to this global norm at every step (0: no clipping); do not
+            clip by hand as well.
+        norm_type: The norm of the clipping.
+        tp_size: Must be 1: tensor parallelism needs Shardformer (``HybridParallelPlugin``).
+        extra_dp_size: Must be 1 (an extra group exists only next to tensor parallelism).
+        enable_all_optimization: Must be False (a Shardformer optimization).
+        enable_fused_normalization: Must be False (a Shardformer optimization).
+        enable_flash_attention: Must be False (a Shardformer optimization).
+        enable_sequence_parallelism: Must be False (a Shardformer optimization).
+        enable_jit_fused: Must be False (a Shardformer optimization).
+        enable_sequence_overlap: Must be False (a Shardformer optimization).
+        verbose: Log the chunk layout, skipped steps and scale changes.
+        device_memory_limit: Device capacity for Gemini's accounting (bytes or ``"512MB"``;
+            None: ``COLOSSAL_DEVICE_MEMORY_LIMIT`` or the accelerator's memory). On CPU it
+            makes placement and eviction account "device" memory against this limit.
+        max_prefetch: Chunks gathered ahead of their use (asynchronously).
+        dp_group: The data-parallel group (the whole job when None).
+
+    Raises:
+        ValueError: A value out of range (the message names it and the fix).
+        NotImplementedError: ``tp_size > 1``, ``extra_dp_size > 1`` or an ``enable_*``
+            Shardformer flag (use ``HybridParallelPlugin``).
+
+    Example:
+        >>> plugin = GeminiPlugin(precision="bf16", max_norm=1.0)
+        >>> booster = Booster(plugin=plugin)
+        >>> optimizer = HybridAdam(model.parameters(), lr=1e-3)  # before boost
+        >>> model, optimizer, *_ = booster.boost(model, optimizer)
+    """
+
+    def __init__(
+        self,
+        chunk_config_dict: dict | None = None,
+        chunk_init_device: torch.device | None = None,
+        placement_policy: str = "static",
+        enable_gradient_accumulation: bool = False,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        precision: str = "fp16",
+        master_weights: bool = True,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        search_range_m: int = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        memstats: MemStats | None = None,
+        gpu_margin_mem_ratio: float = 0.0,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        tp_size: int = 1,
+        extra_dp_size: int = 1,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_sequence_parallelism: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_overlap: bool = False,
+        verbose: bool = False,
+        device_memory_limit: int | str | None = None,
+        max_prefetch: int = 0,
+        dp_group: Any = None,
+    ) -> None:
+        refuse_shardformer_options(
+            tp_size,
+            extra_dp_size,
+            enable_all_optimization=enable_all_optimization,
+            enable_fused_normalization=enable_fused_normalization,
+            enable_flash_attention=enable_flash_attention,
+            enable_sequence_parallelism=enable_sequence_parallelism,
+            enable_jit_fused=enable_jit_fused,
+            enable_sequence_overlap=enable_sequence_overlap,
+        )
+        if memstats is not None and not isinstance(memstats, MemStats):
+            raise TypeError(
+                f"GeminiPlugin: memstats must be a colossal.gemini.MemStats (from "
+                f"RuntimeMemTracer) or None, got {type(memstats).__name__}"
+            )
+        config = GeminiConfig(
+            placement_policy=placement_policy,
+            precision=precision,
+            enable_gradient_accumulation=bool(enable_gradient_accumulation),
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+            master_weights=bool(master_weights),
+            pin_memory=bool(pin_memory),
+            force_outputs_fp32=bool(force_outputs_fp32),
+            strict_ddp_mode=bool(strict_ddp_mode),
+            search_range_m=search_range_m,
+            hidden_dim=hidden_dim,
+            min_chunk_size_m=min_chunk_size_m,
+            gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            max_prefetch=max_prefetch,
+            chunk_init_device=chunk_init_device,
+            scaler_config=ScalerConfig(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+            ),
+        )
+        super().__init__(dp_group)
+        self.config = config
+        self.chunk_config = normalize_chunk_config(chunk_config_dict, self.world_size)
+        self.memstats = memstats
+        self.device_memory_limit = device_memory_limit
+        self.verbose = bool(verbose)
+        self._check_device()
+        self._checkpoint_io = GeminiCheckpointIO(group=self.dp_group)
+
+    def _check_device(self) -> None:
+        device = self.config.chunk_init_device
+        current = get_accelerator().get_current_device()
+        if device is not None and device.type not in (current.type, "cpu"):
+            raise ValueError(
+                f"GeminiPlugin: chunk_init_device={device} is not this job's accelerator "
+                f"({current.type}) nor 'cpu'; leave it None"
+            )
+        if device is not None and device.type != current.type:
+            logger.warning(
+                "GeminiPlugin: chunks are built on %s (chunk_init_device=%s is ignored); use "
+                "offload_param_frac / offload_optim_frac to keep chunks on the host",
+                current, device,
+            )
+
+    def supported_devices(self) -> list[str]:
+        """CPU (gloo) and CUDA."""
+        return ["cpu", "cuda"]
+
+    def supported_precisions(self) -> list[str]:
+        """fp16, bf16 and fp32."""
+        return ["fp16", "bf16", "fp32"]
+
+    def control_precision(self) -> bool:
+        """True: the chunks hold the training precision."""
+        return True
+
+    def support_no_sync(self) -> bool:
+        """With ``enable_gradient_accumulation`` only."""
+        return self.config.enable_gradient_accumulation
+
+    def support_lora(self) -> bool:
+        """True: ``Booster.enable_lora`` (peft); frozen base weights get no optimizer state."""
+        return True
+
+    def _ddp_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "process_group": self.dp_group,
+            "precision": cfg.precision,
+            "chunk_config_dict": self.chunk_config,
+            "search_range_m": cfg.search_range_m,
+            "hidden_dim": cfg.hidden_dim,
+            "min_chunk_size_m": cfg.min_chunk_size_m,
+            "placement_policy": cfg.placement_policy,
+            "shard_param_frac": cfg.shard_param_frac,
+            "offload_optim_frac": cfg.offload_optim_frac,
+            "offload_param_frac": cfg.offload_param_frac,
+            "warmup_non_model_data_ratio": cfg.warmup_non_model_data_ratio,
+            "steady_cuda_cap_ratio": cfg.steady_cuda_cap_ratio,
+            "device_memory_limit": self.device_memory_limit,
+            "memstats": self.memstats,
+            "pin_memory": cfg.pin_memory and torch.cuda.is_available(),
+            "force_outputs_fp32": cfg.force_outputs_fp32,
+            "strict_ddp_mode": cfg.strict_ddp_mode,
+            "enable_gradient_accumulation": cfg.enable_gradient_accumulation,
+            "max_prefetch": cfg.max_prefetch,
+            "master_weights": cfg.master_weights,
+            "verbose": self.verbose,
+        }
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Wrap the model in ``GeminiDDP`` and the optimizer in ``GeminiOptimizer``.
+
+        A lazily initialized model is materialized first (the optimizer is pointed at the
+        real parameters). The optimizer must be built over the model's parameters and not
+        have stepped yet.
+
+        Raises:
+            ValueError: The optimizer has state or holds parameters the model does not own.
+        """
+        materialize_model(model, optimizer)
+        if optimizer is not None and optimizer.state:
+            raise ValueError(
+                "GeminiPlugin: boost the optimizer before its first step (its state is not "
+                "empty); Gemini rebuilds it over the chunks' master shards"
+            )
+        model = GeminiDDP(model, **self._ddp_kwargs())
+        if optimizer is not None:
+            optimizer = GeminiOptimizer(
+                optimizer,
+                model,
+                max_norm=self.config.max_norm,
+                norm_type=self.config.norm_type,
+                verbose=self.verbose,
+                scaler_config=self.config.scaler_config,
+            )
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """:class:`GeminiCheckpointIO` (chunk by chunk, the one checkpoint format)."""
+        return self._checkpoint_io
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
+        """Accumulate gradients over micro-batches (``GeminiDDP.no_sync``).
+
+        Gemini reduces every backward into the gradient shards; with
+        ``enable_gradient_accumulation`` the shards add up until the optimizer step.
+
+        Raises:
+            NotImplementedError: The plugin was built without ``enable_gradient_accumulation``.
+            TypeError: ``model`` is not the model returned by ``boost``.
+        """
+        if not self.config.enable_gradient_accumulation:
+            raise NotImplementedError(
+                "GeminiPlugin.no_sync() needs GeminiPlugin(enable_gradient_accumulation=True) "
+                "(without it each backward replaces the gradients)"
+            )
+        ddp = find_module(model, GeminiDDP)
+        if ddp is None:
+            raise TypeError(
+                f"GeminiPlugin.no_sync needs the model returned by boost(), got "
+                f"{type(model).__name__}"
+            )
+        return ddp.no_sync()

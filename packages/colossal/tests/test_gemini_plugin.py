@@ -84,8 +84,9 @@ def test_matches_single_process(rank: int, world_size: int) -> None:
     One spawn checks:
 
     - 5 steps in fp32, bf16 and fp16 equal the reference (catches gradients not averaged
-      over the ranks, a precision not applied to the chunks, the loss scale not unscaled,
-      the plugin dropping the user's param groups (weight decay differs per group));
+      over the ranks, a precision not applied to the chunks, the loss scale not unscaled or
+      the scaler settings not forwarded, the user's param groups dropped (weight decay
+      differs per group));
     - ``max_norm`` equals ``clip_grad_norm_`` in the reference, which differs from the
       unclipped run (catches max_norm not forwarded to GeminiOptimizer);
     - ``enable_gradient_accumulation`` + ``booster.no_sync``: two half micro-batches per
@@ -112,8 +113,11 @@ def test_matches_single_process(rank: int, world_size: int) -> None:
         assert isinstance(model, GeminiDDP) and isinstance(optimizer, GeminiOptimizer)
         chunks = model.chunk_manager.chunks
         assert len(chunks) > 1 and all(c.shard.numel() < c.chunk_size for c in chunks)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        assert {c.dtype for c in chunks} == {dtype[precision]}
         losses = train_steps(model, optimizer, booster, range(STEPS), rank, world_size)
         _check(precision, model, losses, ref, tol)
+        assert optimizer.loss_scale == (2**8 if precision == "fp16" else 1.0)  # no overflow
 
     # clipping: the clip must bite (the clipped reference differs from the unclipped one)
     clipped = _reference(max_norm=0.5)

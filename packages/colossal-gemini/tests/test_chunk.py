@@ -182,10 +182,17 @@ def _check_sharded(rank: int, world: int) -> None:
     # or averaging by the wrong count.
     assert t.calls("reduce_scatter") == one and t.calls() == one
     expected = _expected_avg(world, size)[lo:hi]
-    assert chunk.grad_shard.dtype == torch.float32 and torch.equal(chunk.grad_shard, expected)
+    # The reduced shard keeps the chunk dtype (2 bytes per element, the ZeRO-3 formula's
+    # gradient term; catches an fp32 gradient shard, 2 bytes more per element).
+    assert chunk.grad_shard.dtype == torch.float16
+    assert torch.equal(chunk.grad_shard.float(), expected)
     assert chunk.states()[TensorState.HOLD] == 4
-    # The gradient buffer is freed; the fp32 gradient shard is kept.
-    assert budget.used("device") == n * 10 + size * 2 == chunk.memory()["device"]
+    # The gradient buffer is freed; the fp16 gradient shard is kept.
+    assert budget.used("device") == n * 8 + size * 2 == chunk.memory()["device"]
+    kinds = chunk.memory_by_kind()
+    assert kinds["param_shards"]["device"] == 2 * n and kinds["masters"]["device"] == 4 * n
+    assert kinds["grad_shards"]["device"] == 2 * n and kinds["grad_buffers"]["device"] == 0
+    assert kinds["gathered_params"]["device"] == 2 * size
 
     for p, g in zip(params, grads, strict=True):
         if g is not None:
@@ -207,6 +214,17 @@ def _check_sharded(rank: int, world: int) -> None:
     chunk.wait()
     step = torch.cat([torch.full((n,), float(r + 1)) for r in range(world)])
     assert torch.equal(chunk.payload, (_padded(origs, size) + step).half())
+
+    # grad_dtype=fp32 (gradient accumulation): the reduced shard is fp32, 4 bytes.
+    chunk, params = _build(origs, torch.float16, world, grad_dtype=torch.float32)
+    chunk.gather()
+    for p, g in zip(params, grads, strict=True):
+        chunk.set_state(p, TensorState.COMPUTE)
+        chunk.set_state(p, TensorState.HOLD_AFTER_BWD)
+        if g is not None:
+            chunk.copy_grad(p, g)
+    chunk.reduce()
+    assert chunk.grad_shard.dtype == torch.float32 and torch.equal(chunk.grad_shard, expected)
 
 
 def _check_keep_gathered(rank: int, world: int) -> None:

@@ -140,12 +140,12 @@ def test_gemini_ddp_world2(rank: int, world_size: int) -> None:
     _step(ddp, ids, rank, world_size)
     _check_grads(ddp, _reference(ref_model, ids, world_size), 1e-5, 1e-6, "fp32 step 2")
 
-    # bf16 and fp16: the chunks compute in low precision; gradient shards are fp32.
+    # bf16 and fp16: the chunks compute in low precision; gradient shards keep it.
     for precision in ("bf16", "fp16"):
         model, ref_model = _make()
         ddp = GeminiDDP(model, precision=precision, chunk_config_dict=CHUNK)
         _step(ddp, ids, rank, world_size)
-        assert all(c.grad_shard.dtype == torch.float32 for c in ddp.chunk_manager.chunks)
+        assert all(c.grad_shard.dtype == ddp.compute_dtype for c in ddp.chunk_manager.chunks)
         tol = 4e-2 if precision == "bf16" else 5e-3
         _check_grads(ddp, _reference(ref_model, ids, world_size), tol, tol, precision)
 
@@ -232,6 +232,11 @@ def test_gemini_ddp_device_memory_limit(rank: int, world_size: int) -> None:
     ddp = GeminiDDP(model, precision="fp32", chunk_config_dict={"chunk_size": 1100},
                     offload_param_frac=1.0, offload_optim_frac=1.0, device_memory_limit=limit)
     assert ddp.budget.used("device") == 0
+    # Building charges every allocation to the budget and puts each chunk straight where the
+    # plan says: the device held at most the chunk being filled and its trimmed copy
+    # (catches building every shard on the device and moving it after: ~25 KB here).
+    assert 0 < ddp.construction_peak <= 2 * 4400 + 4400 // world_size
+    assert ddp.budget.used("host") == ddp.chunk_manager.memory()["host"] > model_bytes // 2
     ddp.backward(_loss(ddp, ids.chunk(world_size)[rank]))
     assert 0 < ddp.budget.peak("device") <= limit
     ref_model.zero_grad()
@@ -243,13 +248,20 @@ def test_gemini_ddp_device_memory_limit(rank: int, world_size: int) -> None:
         start, stop, got = chunk.tensor_shard(p, source="grad")
         torch.testing.assert_close(got, ref[name].reshape(-1)[start:stop], rtol=1e-5, atol=1e-6)
 
-    # A limit below one gathered chunk cannot work: a clear DeviceMemoryExceeded.
+    # A limit below one chunk cannot work: building fails with a clear DeviceMemoryExceeded
+    # naming the need and the limit (catches construction bytes hidden from the budget).
     torch.manual_seed(0)
-    ddp = GeminiDDP(Net(hidden=32, vocab=32, depth=8), precision="fp32",
-                    chunk_config_dict={"chunk_size": 1100}, offload_param_frac=1.0,
-                    offload_optim_frac=1.0, device_memory_limit=2048)
-    with pytest.raises(DeviceMemoryExceeded, match="payload"):
-        ddp(ids.chunk(world_size)[rank])
+    with pytest.raises(DeviceMemoryExceeded, match="payload") as info:
+        GeminiDDP(Net(hidden=32, vocab=32, depth=8), precision="fp32",
+                  chunk_config_dict={"chunk_size": 1100}, offload_param_frac=1.0,
+                  offload_optim_frac=1.0, device_memory_limit=2048)
+    assert info.value.needed == 4400 and info.value.limit == 2048
+    assert "needs 4400 B" in str(info.value) and "limit is 2048 B" in str(info.value)
+    # No offload: the model's shards alone exceed the limit; building fails, not training.
+    torch.manual_seed(0)
+    with pytest.raises(DeviceMemoryExceeded, match="limit is 24576 B"):
+        GeminiDDP(Net(hidden=32, vocab=32, depth=8), precision="fp32",
+                  chunk_config_dict={"chunk_size": 1100}, device_memory_limit=limit)
 
 
 @distributed_test(4)

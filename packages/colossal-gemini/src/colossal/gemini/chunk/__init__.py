@@ -2,7 +2,7 @@
 
 from colossal.gemini.chunk.base import TensorInfo
 from colossal.gemini.chunk.chunk import Chunk
-from colossal.gemini.chunk.manager import ChunkManager
+from colossal.gemini.chunk.manager import ChunkManager, ChunkSpec
 from colossal.gemini.chunk.search import ChunkSearchResult, search_chunk_configuration
 from colossal.gemini.chunk.states import LEGAL_TRANSITIONS, IllegalStateTransition, TensorState
 
@@ -11,6 +11,7 @@ __all__ = [
     "Chunk",
     "ChunkManager",
     "ChunkSearchResult",
+    "ChunkSpec",
     "IllegalStateTransition",
     "TensorInfo",
     "TensorState",

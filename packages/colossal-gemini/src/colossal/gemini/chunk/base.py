@@ -11,10 +11,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from colossal.gemini.chunk.states import TensorState
-from colossal.gemini.chunk.storage import Allocator, BudgetLike, Location, physical_device
+from colossal.gemini.chunk.storage import (
+    Allocator,
+    BudgetLike,
+    Location,
+    check_location,
+    physical_device,
+)
 
 __all__ = ["ChunkBase", "TensorInfo"]
-
 
 
 @dataclass
@@ -67,10 +72,14 @@ class ChunkBase:
         pin_memory: bool = False,
         chunk_id: int = 0,
         accumulate_grads: bool = False,
+        grad_dtype: torch.dtype | None = None,
+        shard_location: Location = "device",
+        master_location: Location = "device",
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
-        for what, dt in (("dtype", dtype), ("master_dtype", master_dtype)):
+        for what, dt in (("dtype", dtype), ("master_dtype", master_dtype),
+                         ("grad_dtype", grad_dtype)):
             if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
                 raise TypeError(f"{what} must be a floating torch.dtype, got {dt!r}")
         self._group = group
@@ -81,7 +90,9 @@ class ChunkBase:
         self._requires_grad = bool(requires_grad)
         self._has_master = requires_grad and master_dtype is not None and master_dtype != dtype
         self._master_dtype = master_dtype if self._has_master else None
-        self._grad_dtype = (master_dtype or dtype) if requires_grad else None
+        # The reduced gradient shard keeps the chunk dtype (the reduce-scatter already ran in
+        # it): 2 bytes per element in fp16/bf16, upcast only where the optimizer reads it.
+        self._grad_dtype = (grad_dtype or dtype) if requires_grad else None
         self._chunk_id = int(chunk_id)
         self.accumulate_grads = bool(accumulate_grads)
         self._alloc = Allocator(budget, pin_memory, f"chunk {chunk_id}")
@@ -100,8 +111,10 @@ class ChunkBase:
         self._grad_buffer: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._reducing: tuple[Any, ...] | None = None  # launched reduction (see finish_reduce)
-        self._shard_loc: Location = "device"
-        self._master_loc: Location = "device"
+        self._shard_loc: Location = check_location(shard_location)
+        self._master_loc: Location = check_location(master_location)
+        self._master_is_copy = False  # a host copy of the shard made by move_master (no
+        #                               separate master dtype): dropped when moved back
 
     # ----------------------------------------------------------------- properties
     @property
@@ -116,8 +129,17 @@ class ChunkBase:
 
     @property
     def master_dtype(self) -> torch.dtype | None:
-        """The dtype of the separate master shard (``None`` when there is none)."""
+        """The dtype of the separate master shard (``None`` when there is none).
+
+        A chunk without one whose optimizer side was moved to the host has a host copy of
+        its shard as master: its dtype is the chunk dtype then.
+        """
         return self._master_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype | None:
+        """The dtype of the reduced gradient shard (``None`` for a frozen chunk)."""
+        return self._grad_dtype
 
     @property
     def chunk_size(self) -> int:

@@ -17,8 +17,8 @@ Life of a chunk:
    memory).
 4. ``copy_grad`` puts gradients into a gradient buffer (chunk dtype, payload size);
    ``reduce`` reduce-scatters it (all-reduces for ``keep_gathered`` chunks) into this rank's
-   *gradient shard* (fp32 when there is an fp32 master), divided by the group size when
-   averaging.
+   *gradient shard* (in the chunk dtype, or ``grad_dtype`` when given, e.g. fp32 for
+   gradient accumulation), divided by the group size when averaging.
 5. After the optimizer updated the master, ``update_shard_from_master`` casts it into the
    shard and refreshes (``keep_gathered``) or releases the payload.
 
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Chunk", "TensorInfo"]
 
+_KINDS = ("param_shards", "gathered_params", "grad_buffers", "grad_shards", "masters")
+
 
 class Chunk(ChunkBase):
     """A flat, evenly sharded buffer of parameters of one dtype.
@@ -64,6 +66,12 @@ class Chunk(ChunkBase):
         chunk_id: Identifier used in messages and by the manager.
         accumulate_grads: Allow a second :meth:`copy_grad` for a tensor whose gradient is
             already in the buffer (added to it; ``READY_FOR_REDUCE -> READY_FOR_REDUCE``).
+        grad_dtype: dtype of the reduced gradient shard (``None``: the chunk dtype, since
+            the reduce-scatter runs in it; fp32 when backwards accumulate into it).
+        shard_location: Where :meth:`close` puts the parameter shard (``"device"`` or
+            ``"host"``; a ``keep_gathered`` chunk's shard is part of the device payload).
+        master_location: Where :meth:`close` puts the optimizer side (master, gradient
+            shard); see :meth:`move_master`.
 
     Raises:
         ValueError: ``chunk_size`` is not a positive int.
@@ -149,17 +157,20 @@ class Chunk(ChunkBase):
         self._payload[self._numel :].zero_()
         lo, hi = self.shard_begin, self.shard_end
         if self._keep_gathered:
-            self._shard = self._payload[lo:hi]
+            self._shard, self._shard_loc = self._payload[lo:hi], "device"
         else:
-            self._shard = self._alloc.copy_of(self._payload[lo:hi], "device", self._dtype, "shard")
+            self._shard = self._alloc.copy_of(self._payload[lo:hi], self._shard_loc,
+                                              self._dtype, "shard")
         if not self._keep_gathered:
             self.release()  # before the master is allocated: a lower peak
         if self._has_master:
-            self._master = self._alloc.zeros("device", self.shard_size, self._master_dtype,
-                                             "master")
+            self._master = self._alloc.zeros(self._master_loc, self.shard_size,
+                                             self._master_dtype, "master")
             for p, original in zip(self._params, self._originals, strict=True):
                 start, stop, view = self._range(p, self._master)
                 view.copy_(original[start:stop])
+        elif self._requires_grad and self._master_loc == "host":
+            self._copy_master_to_host()
         self._originals.clear()
 
     # ----------------------------------------------------------------- gather / release
@@ -472,18 +483,31 @@ class Chunk(ChunkBase):
     def move_master(self, location: Location) -> None:
         """Move the optimizer side (master, gradient shard) to ``location``.
 
-        The optimizer keeps its states wherever :attr:`master_location` says.
+        The optimizer keeps its states wherever :attr:`master_location` says. A trainable
+        chunk without a separate master (fp32 chunks, or ``master_weights=False``) is
+        optimized on its shard; moving its optimizer side to the host gives it a host copy
+        of the shard as master (the optimizer updates the copy, the step casts it back into
+        the shard), and moving it back drops the copy.
         """
         location = check_location(location)
         self._require_closed("move_master()")
         if location == self._master_loc:
             return
-        if self._master is not None:
+        if self._master_is_copy and location == "device":
+            self._alloc.free(self._master, self._master_loc)
+            self._master, self._master_dtype, self._master_is_copy = None, None, False
+        elif self._master is not None:
             self._master = self._alloc.move(self._master, self._master_loc, location, "master")
         if self.grad_shard is not None:
             self.grad_shard = self._alloc.move(self.grad_shard, self._master_loc, location,
                                                "gradient shard")
         self._master_loc = location
+        if self._master is None and self._requires_grad and location == "host":
+            self._copy_master_to_host()
+
+    def _copy_master_to_host(self) -> None:
+        self._master = self._alloc.copy_of(self.shard, "host", self._dtype, "master (host copy)")
+        self._master_dtype, self._master_is_copy = self._dtype, True
 
     # ----------------------------------------------------------------- views
     def tensor_shard(
@@ -528,6 +552,27 @@ class Chunk(ChunkBase):
             out[self._shard_loc] += nbytes(self._shard)
         out[self._master_loc] += nbytes(self._master) + nbytes(self.grad_shard)
         out["device"] += nbytes(self._grad_buffer)
+        return out
+
+    def memory_by_kind(self) -> dict[str, dict[Location, int]]:
+        """Bytes this chunk holds now, by kind and logical location.
+
+        Kinds: ``"param_shards"`` (the separate parameter shard), ``"gathered_params"`` (the
+        materialized payload: a gathered or kept-gathered chunk), ``"grad_buffers"`` (the
+        unreduced gradient buffer), ``"grad_shards"`` (the reduced gradient shard) and
+        ``"masters"`` (the separate master shard).
+        """
+        self._sync()
+        out: dict[str, dict[Location, int]] = {
+            k: {"device": 0, "host": 0} for k in _KINDS
+        }
+        if self._gathered:
+            out["gathered_params"]["device"] += self.payload_bytes
+        if not self._keep_gathered and self._shard is not None:
+            out["param_shards"][self._shard_loc] += nbytes(self._shard)
+        out["grad_buffers"]["device"] += nbytes(self._grad_buffer)
+        out["grad_shards"][self._master_loc] += nbytes(self.grad_shard)
+        out["masters"][self._master_loc] += nbytes(self._master)
         return out
 
     def __repr__(self) -> str:

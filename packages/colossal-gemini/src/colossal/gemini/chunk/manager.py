@@ -15,20 +15,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from colossal.gemini.chunk.base import _group_geometry, _round_up
 from colossal.gemini.chunk.chunk import Chunk
 from colossal.gemini.chunk.storage import BudgetLike, Location
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkManager"]
+__all__ = ["ChunkManager", "ChunkSpec"]
 
 _Kind = tuple[str, torch.dtype, bool, bool]
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """A chunk :meth:`ChunkManager.layout` plans (sizes in bytes; a placement's ChunkLike)."""
+
+    chunk_id: int
+    payload_bytes: int
+    shard_bytes: int
+    master_bytes: int
+    keep_gathered: bool
+    requires_grad: bool
 
 
 class ChunkManager:
@@ -43,6 +57,8 @@ class ChunkManager:
         pin_memory: Pin host-located chunk tensors (when CUDA is available).
         max_prefetch: How many chunks :meth:`prefetch` may gather ahead (0: none).
         accumulate_grads: Passed to every trainable chunk (see :class:`Chunk`).
+        grad_dtype: dtype of trainable chunks' reduced gradient shards (``None``: the chunk
+            dtype; see :class:`Chunk`).
 
     Raises:
         ValueError: ``chunk_size`` is not a positive int or ``max_prefetch`` is negative.
@@ -58,6 +74,7 @@ class ChunkManager:
         pin_memory: bool = False,
         max_prefetch: int = 0,
         accumulate_grads: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
@@ -70,6 +87,8 @@ class ChunkManager:
         self.pin_memory = pin_memory
         self.max_prefetch = max_prefetch
         self.accumulate_grads = accumulate_grads
+        self.grad_dtype = grad_dtype
+        self._plan: list[Any] | None = None  # placements for the chunks still to be built
         self.chunks: list[Chunk] = []
         self._open: dict[_Kind, Chunk] = {}
         self._chunk_of: dict[nn.Parameter, Chunk] = {}
@@ -81,6 +100,13 @@ class ChunkManager:
     # ----------------------------------------------------------------- registration
     def _new_chunk(self, size: int, dtype: torch.dtype, requires_grad: bool,
                    keep_gathered: bool) -> Chunk:
+        chunk_id = len(self.chunks)
+        where: dict[str, Any] = {}
+        if self._plan is not None and chunk_id < len(self._plan):
+            place = self._plan[chunk_id]
+            keep_gathered = keep_gathered or place.keep_gathered
+            where = {"shard_location": "device" if keep_gathered else place.shard_location,
+                     "master_location": place.master_location}
         chunk = Chunk(
             size,
             self.group,
@@ -90,8 +116,10 @@ class ChunkManager:
             master_dtype=self.master_dtype if requires_grad else None,
             budget=self.budget,
             pin_memory=self.pin_memory,
-            chunk_id=len(self.chunks),
+            chunk_id=chunk_id,
             accumulate_grads=self.accumulate_grads,
+            grad_dtype=self.grad_dtype,
+            **where,
         )
         self.chunks.append(chunk)
         return chunk
@@ -148,6 +176,73 @@ class ChunkManager:
         self._names[param] = name
         self._by_name[name] = param
         return chunk
+
+    def layout(
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        dtype: torch.dtype,
+        keep_gathered: bool = False,
+    ) -> list[ChunkSpec]:
+        """The chunks :meth:`register` + :meth:`close_all` would build, without building them.
+
+        Follows the same packing rules (tied parameters once, one open chunk per kind, a
+        parameter larger than the chunk size in its own chunk), so a placement policy can
+        plan every chunk before any storage is allocated (see :meth:`set_plan`). Only for a
+        manager that has no chunks yet.
+
+        Args:
+            params: ``(name, parameter)`` in registration order.
+            dtype: Storage dtype of the chunks.
+            keep_gathered: As for :meth:`register`.
+
+        Returns:
+            One :class:`ChunkSpec` per chunk, in chunk order.
+        """
+        if self.chunks:
+            raise RuntimeError("layout() plans an empty manager; it already has chunks")
+        world, _ = _group_geometry(self.group)
+        numels: list[int] = []
+        trainable: list[bool] = []
+        open_: dict[bool, int] = {}  # requires_grad -> index of the open chunk
+        seen: set[int] = set()
+        for _, p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n, rg = p.numel(), bool(p.requires_grad)
+            if n > self.chunk_size:
+                numels.append(n)
+                trainable.append(rg)
+                continue
+            i = open_.get(rg)
+            if i is None or numels[i] + n > _round_up(self.chunk_size, world):
+                open_[rg] = i = len(numels)
+                numels.append(0)
+                trainable.append(rg)
+            numels[i] += n
+        specs = []
+        for i, (n, rg) in enumerate(zip(numels, trainable, strict=True)):
+            cap = _round_up(max(n, 1), world)
+            has_master = rg and self.master_dtype is not None and self.master_dtype != dtype
+            specs.append(ChunkSpec(
+                chunk_id=i,
+                payload_bytes=cap * dtype.itemsize,
+                shard_bytes=cap // world * dtype.itemsize,
+                master_bytes=cap // world * self.master_dtype.itemsize if has_master else 0,
+                keep_gathered=bool(keep_gathered),
+                requires_grad=rg,
+            ))
+        return specs
+
+    def set_plan(self, placements: Sequence[Any] | None) -> None:
+        """Build the coming chunks where ``placements`` (one per chunk, by chunk id) says.
+
+        Each new chunk is created kept gathered or sharded with its shard and optimizer side
+        allocated directly on the planned locations (``ChunkPlacement`` or alike), so
+        building never holds more than the plan on the device. ``None`` clears the plan.
+        """
+        self._plan = None if placements is None else list(placements)
 
     def close_all(self) -> None:
         """Close every open chunk (no more registrations into them)."""
@@ -254,6 +349,16 @@ class ChunkManager:
             chunk.move_master(place.master_location)
 
     # ----------------------------------------------------------------- memory
+    def memory_by_kind(self) -> dict[str, dict[Location, int]]:
+        """Model-data bytes of every chunk by kind and location (:meth:`Chunk.memory_by_kind`)."""
+        out: dict[str, dict[Location, int]] = {}
+        for chunk in self.chunks:
+            for kind, where in chunk.memory_by_kind().items():
+                slot = out.setdefault(kind, {"device": 0, "host": 0})
+                for loc, n in where.items():
+                    slot[loc] += n
+        return out
+
     def memory(self) -> dict[Location, int]:
         """Model-data bytes of every chunk, by logical location."""
         out: dict[Location, int] = {"device": 0, "host": 0}

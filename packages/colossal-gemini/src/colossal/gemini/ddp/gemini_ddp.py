@@ -45,29 +45,6 @@ class TrainableShard(NamedTuple):
     chunk: Chunk
 
 
-class _DeferredBudget:
-    """Forwards chunk allocations to the real budget once the placement is applied.
-
-    Chunks are built on the device before the placement (which needs every chunk's size) is
-    known; the budget starts counting the model data where the placement put it.
-    """
-
-    def __init__(self) -> None:
-        self.target: DeviceMemoryBudget | None = None
-
-    def allocate(self, location: Any, nbytes: int, what: str) -> None:
-        if self.target is not None:
-            self.target.allocate(location, nbytes, what)
-
-    def free(self, location: Any, nbytes: int) -> None:
-        if self.target is not None:
-            self.target.free(location, nbytes)
-
-    def move(self, src: Any, dst: Any, nbytes: int, what: str) -> None:
-        if self.target is not None:
-            self.target.move(src, dst, nbytes, what)
-
-
 class GeminiDDP(ModelWrapper):
     """Chunk-based ZeRO-3 data parallelism with device/host placement of the model data.
 
@@ -110,9 +87,11 @@ class GeminiDDP(ModelWrapper):
             order; the auto policy's next-use table).
         pin_memory: Pin host tensors (CUDA).
         force_outputs_fp32: Cast floating outputs to fp32.
-        strict_ddp_mode: Accepted for API compatibility (every parameter is always managed).
+        strict_ddp_mode: Accepted for API compatibility and ignored: every parameter is
+            always managed by the chunks (ColossalAI's strict mode), so it is a no-op.
         enable_gradient_accumulation: Each backward adds to the gradient shards until the
-            optimizer frees them (needed by :meth:`no_sync`).
+            optimizer frees them (needed by :meth:`no_sync`); the gradient shards are then
+            fp32 (with master weights), else they keep the chunk dtype.
         max_prefetch: How many chunks to gather ahead (asynchronously).
         master_weights: Keep fp32 master shards (else the optimizer updates the
             low-precision shards).
@@ -178,30 +157,38 @@ class GeminiDDP(ModelWrapper):
         named = self._ordered_params(module, memstats)
         chunk_size, keep = self._chunk_size(named, chunk_config_dict, world, search_range_m,
                                             min_chunk_size_m, hidden_dim, verbose)
-        deferred = _DeferredBudget()
+        # Accumulating backwards add into the gradient shards: fp32 then, so many
+        # micro-batches do not round away each other's small contributions.
+        fp32_grads = enable_gradient_accumulation and master_weights
         self.chunk_manager = ChunkManager(
             chunk_size,
             process_group,
-            budget=deferred,  # type: ignore[arg-type]
+            budget=self.budget,
             master_dtype=torch.float32 if master_weights else None,
             pin_memory=pin_memory,
             max_prefetch=max_prefetch,
+            grad_dtype=torch.float32 if fp32_grads else None,
         )
+        # Plan before building: every chunk is built on its planned locations and every byte
+        # is charged to the budget as it is allocated (a limit that the model cannot fit
+        # fails here, naming the need and the limit).
+        specs = self.chunk_manager.layout(named, dtype=self.compute_dtype, keep_gathered=keep)
+        plan = self.placement.plan(specs)
+        self.chunk_manager.set_plan(plan)
         for name, p in named:
             self.chunk_manager.register(name, p, dtype=self.compute_dtype, keep_gathered=keep)
         self.chunk_manager.close_all()
+        self.chunk_manager.set_plan(None)
+        self.chunk_manager.apply_placement(plan)  # already so; checks the layout matched
         self._cast_buffers(module)
 
         if isinstance(self.placement, AutoPlacement) and memstats is not None:
             by_param = {id(p): self.chunk_manager.chunk_of(p) for _, p in named}
             chunk_stats = memstats.remap(lambda obj: by_param.get(id(obj)))
             self.placement = self.placement.with_memstats(chunk_stats)
-        self.chunk_manager.apply_placement(self.placement.plan(self.chunk_manager.chunks))
-        memory = self.chunk_manager.memory()
-        self.budget.allocate("host", memory["host"], "model data on the host")
-        self.budget.allocate("device", memory["device"], "model data placed on the device")
+        # The device model-data peak while building; the budget's peak restarts for training.
+        self.construction_peak = self.budget.peak("device")
         self.budget.reset_peak()
-        deferred.target = self.budget
 
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD) \
             if dist.is_initialized() else [0]

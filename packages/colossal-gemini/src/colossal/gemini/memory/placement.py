@@ -107,7 +107,8 @@ class StaticPlacement:
             are sharded; the remaining chunks are kept gathered. A chunk the manager already
             keeps gathered stays gathered.
         offload_optim_frac: Fraction of the optimizer-side bytes (``master_bytes`` of the
-            trainable chunks: master shard, gradient shard and optimizer states) on the host.
+            trainable chunks, ``shard_bytes`` for one without a separate master: master
+            shard, gradient shard and optimizer states) on the host.
         offload_param_frac: Fraction of the parameter shards (``shard_bytes``) on the host.
             As in ColossalAI it needs ``shard_param_frac == 1`` and
             ``offload_optim_frac == 1``; otherwise it is ignored with a warning.
@@ -147,8 +148,10 @@ class StaticPlacement:
         chunks = list(chunks)
         sharded = _leading([c.payload_bytes for c in chunks], self.shard_param_frac)
         trainable = [i for i, c in enumerate(chunks) if c.requires_grad]
-        optim_marks = _leading([chunks[i].master_bytes for i in trainable],
-                               self.offload_optim_frac)
+        # A chunk without a separate master is optimized on its shard: its optimizer side
+        # is as large as the shard (and offloading it gives it a host master copy).
+        optim_marks = _leading([chunks[i].master_bytes or chunks[i].shard_bytes
+                                for i in trainable], self.offload_optim_frac)
         optim_host = {i for i, m in zip(trainable, optim_marks, strict=True) if m}
         param_frac = self.offload_param_frac if self.offloads_params_allowed else 0.0
         param_host = _leading([c.shard_bytes for c in chunks], param_frac)

@@ -44,9 +44,9 @@ def _precision_of(module: Any, manager: Any) -> Precision:
     return Precision.from_dtype(dtypes.pop()) if dtypes else Precision.FP32
 
 
-def _takes_div_scale(optim: Optimizer) -> bool:
+def _step_takes(optim: Optimizer, name: str) -> bool:
     try:
-        return "div_scale" in inspect.signature(optim.step).parameters
+        return name in inspect.signature(optim.step).parameters
     except (TypeError, ValueError):
         return False
 
@@ -138,7 +138,10 @@ class GeminiOptimizer(OptimizerWrapper):
         for group, views in zip(optim.param_groups, self._views, strict=True):
             group["params"] = [v.view for v in views]
         self._chunks = [c for c in manager.chunks if c.requires_grad]
-        self._fused_div = _takes_div_scale(optim)
+        self._fused_div = _step_takes(optim, "div_scale")
+        # colossal-kernels' Adam reads fp16/bf16 gradients given as ``grads=`` and upcasts
+        # them in its pass; other optimizers get transient fp32 copies (see _apply).
+        self._fused_grads = self._fused_div and _step_takes(optim, "grads")
         self._device = get_accelerator().get_current_device()
         self._stats: GradStats | None = None  # of the gradients waiting for the next step
         self._last_norm: float | None = None
@@ -154,6 +157,28 @@ class GeminiOptimizer(OptimizerWrapper):
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    def model_state_memory(self) -> dict[str, dict[str, int]]:
+        """This rank's model-state bytes now, by kind and logical location.
+
+        Kinds: the chunks' ``"param_shards"``, ``"gathered_params"``, ``"grad_buffers"``,
+        ``"grad_shards"`` and ``"masters"`` (see ``Chunk.memory_by_kind``), the optimizer's
+        ``"optimizer_states"`` (tensor states of the master pieces, placed with their chunk's
+        master; states on disk are not counted) and their ``"total"``. Each maps
+        ``"device"`` and ``"host"`` to bytes. Between backward and step with fp16/bf16 and
+        every chunk sharded, the total is the ZeRO-3 mixed-precision ``(2 + 2 + 12) * Psi /
+        N`` bytes plus the chunks' padding. Not a collective.
+        """
+        out = self.chunk_manager.memory_by_kind()
+        states = {"device": 0, "host": 0}
+        for v in self.master_views:
+            loc = v.chunk.master_location  # type: ignore[attr-defined]
+            for t in self.optim.state.get(v.view, {}).values():
+                if isinstance(t, torch.Tensor) and t.numel() == v.numel:
+                    states[loc] += t.numel() * t.element_size()
+        out["optimizer_states"] = states
+        out["total"] = {loc: sum(kind[loc] for kind in out.values()) for loc in states}
+        return out
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -276,20 +301,39 @@ class GeminiOptimizer(OptimizerWrapper):
         self.zero_grad()
 
     def _apply(self, divisor: float) -> None:
+        """One step of the user's optimizer on the master views.
+
+        The gradient shards are in the chunk dtype (fp16/bf16 with mixed precision). A fused
+        colossal-kernels Adam reads them as they are (``grads=``, upcast inside its pass,
+        with the divisor); any other optimizer gets fp32 copies of them, made per chunk for
+        this step only, as ``.grad``.
+        """
         for v in self.master_views:
             if v.rebind():  # the master moved (placement): its states follow it
                 state = self.optim.state.get(v.view, {})
                 for key, t in state.items():
                     if isinstance(t, torch.Tensor) and t.numel() == v.numel:
                         state[key] = t.to(v.view.device)
-            v.view.grad = v.grad()
+        if self._fused_grads:
+            grads = {v.view: g for v in self.master_views if (g := v.grad()) is not None}
+            self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0, grads=grads)
+            return
+        upcast: dict[int, torch.Tensor] = {}
+        for chunk in self._chunks:
+            g = chunk.grad_shard
+            if g is not None:
+                upcast[chunk.chunk_id] = g if g.dtype == chunk.optim_shard.dtype else \
+                    g.to(chunk.optim_shard.dtype)
+        for v in self.master_views:
+            flat = upcast.get(v.chunk.chunk_id)  # type: ignore[attr-defined]
+            v.view.grad = None if flat is None else v.grad(flat)
         if self._fused_div:
             self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0)
             return
         if divisor != 1.0:
             with torch.no_grad():
-                for shard in self._grad_shards():
-                    shard.div_(divisor)
+                for flat in upcast.values():  # fp32 copies, or fp32 shards freed after it
+                    flat.div_(divisor)
         self.optim.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

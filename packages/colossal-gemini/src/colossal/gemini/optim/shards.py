@@ -50,8 +50,16 @@ class MasterView:
         """Elements of the piece."""
         return self.stop - self.start
 
-    def grad(self) -> torch.Tensor | None:
-        """The matching piece of the chunk's reduced gradient shard (``None`` without one)."""
+    def grad(self, flat: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The matching piece of the chunk's reduced gradient shard (``None`` without one).
+
+        Args:
+            flat: Cut the piece out of this tensor instead (shaped like the gradient shard,
+                e.g. an fp32 copy of it).
+        """
+        if flat is not None:
+            offset = self.view.storage_offset() - self.base.storage_offset()
+            return flat[offset : offset + self.numel]
         if getattr(self.chunk, "grad_shard", None) is None:
             return None
         _, _, grad = self.chunk.tensor_shard(self.param, source="grad")  # type: ignore[attr-defined]

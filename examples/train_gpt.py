@@ -1,8 +1,17 @@
-"""Train a character-level GPT-2 with the Colossal Booster (DDP, FSDP2 or ZeRO-1/2).
+"""Train a character-level GPT-2 with the Colossal Booster (DDP, FSDP2, ZeRO-1/2 or Gemini).
 
 Run on 2 CPU processes (nanoGPT's shakespeare_char CPU settings)::
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --plugin zero2
+    torchrun --nproc_per_node=2 examples/train_gpt.py --plugin gemini --precision bf16
+
+``--plugin``: ``ddp`` (torch DDP; ``--precision`` through the Booster's mixed precision),
+``fsdp`` (FSDP2; fp32/bf16), ``zero1``/``zero2`` (colossal.zero) or ``gemini`` (chunk-based
+ZeRO-3, ``GeminiPlugin`` with static placement: every chunk sharded, nothing offloaded).
+``--precision fp32|bf16|fp16``: ZeRO and Gemini hold the parameters in that dtype with fp32
+master weights; fp16 adds a dynamic loss scaler (initial scale 2**16). ZeRO and Gemini clip
+the gradients themselves (``max_norm=--grad-clip``); DDP and FSDP clip through the optimizer.
+The optimizer is built before boosting, as Gemini needs (it moves the parameters into chunks).
 
 Data: ``../shared/data/tinyshakespeare.txt`` (relative to the repository) when present, else
 a corpus built from local text files (the Python sources and docs of this repository). The
@@ -26,7 +35,12 @@ import torch.distributed as dist
 from torch.nn import functional as F  # noqa: N812
 
 from colossal.booster import Booster
-from colossal.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from colossal.booster.plugin import (
+    GeminiPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 from colossal.core import destroy, launch_from_torch
 from colossal.lazy import LazyInitContext
 
@@ -37,7 +51,7 @@ SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--plugin", choices=["ddp", "fsdp", "zero1", "zero2"], default="ddp")
+    p.add_argument("--plugin", choices=["ddp", "fsdp", "zero1", "zero2", "gemini"], default="ddp")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present)")
     p.add_argument("--iters", type=int, default=2000)
@@ -94,6 +108,12 @@ def make_booster(args: argparse.Namespace) -> Booster:
         return Booster(plugin=TorchDDPPlugin(), mixed_precision=mp)
     if args.plugin == "fsdp":
         return Booster(plugin=TorchFSDPPlugin(precision=args.precision))
+    if args.plugin == "gemini":
+        return Booster(
+            plugin=GeminiPlugin(
+                precision=args.precision, max_norm=args.grad_clip, initial_scale=2**16
+            )
+        )
     stage = int(args.plugin[-1])
     return Booster(
         plugin=LowLevelZeroPlugin(
@@ -279,7 +299,7 @@ def main(argv: list[str] | None = None) -> float:
         x, y = get_batch(train_data, per_rank, args.block, gen)
         loss = lm_loss(model, x, y)
         booster.backward(loss, optimizer)
-        if args.grad_clip > 0 and not args.plugin.startswith("zero"):
+        if args.grad_clip > 0 and args.plugin in ("ddp", "fsdp"):  # ZeRO/Gemini clip in step
             optimizer.clip_grad_by_norm(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()

@@ -7,6 +7,16 @@ live on the device or on the host.
 """
 
 from colossal.gemini.__about__ import __version__
+from colossal.gemini.checkpoint import (
+    ChunkGatherer,
+    ChunkStateTensor,
+    ChunkTensor,
+    load_piece,
+    model_shards,
+    optimizer_shards,
+    param_part,
+    refresh_chunks,
+)
 from colossal.gemini.chunk import (
     LEGAL_TRANSITIONS,
     Chunk,
@@ -39,8 +49,11 @@ __all__ = [
     "AutoPlacement",
     "Chunk",
     "ChunkManager",
+    "ChunkGatherer",
     "ChunkPlacement",
     "ChunkSearchResult",
+    "ChunkStateTensor",
+    "ChunkTensor",
     "DeviceMemoryBudget",
     "DeviceMemoryExceeded",
     "GeminiDDP",
@@ -56,5 +69,10 @@ __all__ = [
     "TensorState",
     "TrainableShard",
     "__version__",
+    "load_piece",
+    "model_shards",
+    "optimizer_shards",
+    "param_part",
+    "refresh_chunks",
     "search_chunk_configuration",
 ]

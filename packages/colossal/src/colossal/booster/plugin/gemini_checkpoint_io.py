@@ -1,20 +1,359 @@
-"""GeminiCheckpointIO: the checkpoint IO of :class:`GeminiPlugin` (work in progress).
+"""GeminiCheckpointIO: the checkpoint IO of :class:`GeminiPlugin`, in the one format.
 
-Gemini keeps each parameter as a flat range of a chunk sharded over the data-parallel group;
-its checkpoints go through the sharded-state protocol (:class:`colossal.core.ShardedTensor`)
-chunk by chunk.
+Gemini keeps each parameter as a flat range of a chunk sharded over the data-parallel group.
+Its parameters and optimizer states reach the writer as :class:`colossal.core.ShardedTensor`
+(``colossal.gemini.ChunkTensor`` / ``ChunkStateTensor``), ordered chunk by chunk, so a save
+gathers each chunk (and each optimizer state of it) once, spreads the files over the ranks
+and holds about one chunk of extra memory per rank. Loading reads only each rank's flat range
+of every tensor and writes it into the fp32 masters, the low-precision shards and the
+kept-gathered payloads. The files are the same as every other plugin's: a Gemini checkpoint
+loads under DDP, FSDP2 or ZeRO at any world size, and theirs load here.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
-from colossal.checkpoint_io import CheckpointIO
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal.checkpoint_io import (
+    MODEL_INDEX,
+    OPTIMIZER_INDEX,
+    CheckpointError,
+    CheckpointIO,
+    TensorReader,
+)
+from colossal.checkpoint_io.hf_config import hf_config_files
+from colossal.checkpoint_io.names import param_names
+from colossal.checkpoint_io.optimizer_fit import param_shapes_entry
+from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
+from colossal.checkpoint_io.template import unwrap_model
+from colossal.core import FlatRange, OptimizerWrapper, ShardedTensor
+from colossal.gemini import (
+    ChunkGatherer,
+    ChunkTensor,
+    GeminiDDP,
+    GeminiOptimizer,
+    load_piece,
+    model_shards,
+    optimizer_shards,
+    refresh_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiCheckpointIO"]
 
+_MAX_DEPTH = 8
+_SKIP = object()  # a state of a parameter this rank holds none of
+
+
+def find_gemini_model(model: Any) -> GeminiDDP | None:
+    """The ``GeminiDDP`` that ``model`` is or wraps (through ``.module``), else None."""
+    for _ in range(_MAX_DEPTH):
+        if isinstance(model, GeminiDDP):
+            return model
+        model = getattr(model, "module", None)
+        if not isinstance(model, nn.Module):
+            return None
+    return None
+
+
+def find_gemini_optimizer(optimizer: Any) -> GeminiOptimizer | None:
+    """The ``GeminiOptimizer`` that ``optimizer`` is or wraps (through ``.optim``), else None."""
+    for _ in range(_MAX_DEPTH):
+        if isinstance(optimizer, GeminiOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optim", None)
+        if optimizer is None:
+            return None
+    return None
+
+
+def _stream_order(item: tuple[str, Any]) -> tuple[int, str, int]:
+    order = getattr(item[1], "order", None)
+    return order if order is not None else (-1, "", 0)
+
 
 class GeminiCheckpointIO(CheckpointIO):
-    """Checkpoint IO of Gemini models and optimizers."""
+    """Checkpoint IO of Gemini models and optimizers (any other model: as CheckpointIO).
+
+    Args:
+        group: The ranks that write and read together (the whole job when None).
+        verify_checksums: Check every file's CRC-32 before loading.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
+        super().__init__(group, verify_checksums)
+
+    # ---- model -----------------------------------------------------------------------------
+    def _gemini_state(self, gemini: GeminiDDP, gatherer: ChunkGatherer) -> dict[str, Any]:
+        """Managed parameters chunk by chunk (each once), then the persistent buffers."""
+        state: dict[str, Any] = dict(model_shards(gemini, gatherer))
+        params = {id(p) for p in gemini.module.parameters()}
+        for name, value in gemini.module.state_dict(keep_vars=True).items():
+            if name not in state and id(value) not in params and isinstance(value, torch.Tensor):
+                state[name] = value.detach()  # buffers (and extra state tensors)
+        return state
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """A Gemini model's parameters as ``ChunkTensor`` (tied ones once) and its buffers."""
+        gemini = find_gemini_model(model)
+        if gemini is None:
+            return super().model_state(model)
+        return self._gemini_state(gemini, ChunkGatherer())
+
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = True,
+        use_async: bool = False,
+        background_snapshot: bool = False,
+    ) -> None:
+        """As :meth:`CheckpointIO.save_model`; a Gemini model is streamed chunk by chunk.
+
+        Raises:
+            ValueError: ``use_safetensors=False``.
+        """
+        gemini = find_gemini_model(model)
+        if gemini is None:
+            super().save_model(model, checkpoint, shard, size_per_shard, use_safetensors,
+                               use_async, background_snapshot)
+            return
+        if not use_safetensors:
+            raise ValueError(
+                "Colossal checkpoints are always safetensors; pass use_safetensors=True"
+            )
+        gatherer = ChunkGatherer()
+        state = self._gemini_state(gemini, gatherer)
+        background = {n for n, v in state.items() if isinstance(v, ChunkTensor)} \
+            if background_snapshot else set()
+        try:
+            if not shard and checkpoint.endswith(".safetensors") and \
+                    not os.path.isdir(checkpoint):
+                self.saver.save_file(state, checkpoint, use_async=use_async, gather=self.to_full,
+                                     background=background)
+                return
+            self.saver.save(
+                state,
+                checkpoint,
+                "model",
+                MODEL_INDEX,
+                size_per_shard if shard else float("inf"),
+                use_async=use_async,
+                gather=self.to_full,
+                background=background,
+                extra_files=hf_config_files(unwrap_model(model)) if self._rank() == 0 else None,
+            )
+        finally:
+            gatherer.release()
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+        """As :meth:`CheckpointIO.load_model`; a Gemini model reads only its flat ranges.
+
+        Every rank reads, of each parameter, the elements its shards hold and writes them
+        into the masters and shards (kept-gathered payloads are re-gathered). Collective.
+
+        Raises:
+            CheckpointError: Missing/unexpected tensors (``strict``) or other shapes.
+        """
+        gemini = find_gemini_model(model)
+        if gemini is None:
+            super().load_model(model, checkpoint, strict)
+            return
+        self.wait_snapshots()
+        module = gemini.module
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        params = {id(p) for p in module.parameters()}
+        buffers = {n: b for n, b in module.state_dict(keep_vars=True).items()
+                   if isinstance(b, torch.Tensor) and id(b) not in params}
+        managed = [(chunk, p, aliases.get(id(p), [chunk.infos[p].name]))
+                   for chunk in gemini.chunk_manager.chunks for p in chunk.params]
+        wanted = [n for _, _, names in managed for n in names] + list(buffers)
+        reader = self._model_reader(checkpoint, wanted)
+        try:
+            self._load_gemini(gemini, reader, managed, buffers, strict)
+        finally:
+            reader.close()
+
+    def _load_gemini(
+        self,
+        gemini: GeminiDDP,
+        reader: TensorReader,
+        managed: list[tuple[Any, nn.Parameter, list[str]]],
+        buffers: dict[str, torch.Tensor],
+        strict: bool,
+    ) -> None:
+        saved = set(reader.weight_map)
+        missing: list[str] = []
+        chosen: list[tuple[Any, nn.Parameter, str]] = []
+        for chunk, p, names in managed:
+            source = next((n for n in names if n in saved), None)
+            if source is None:
+                missing.append(names[0])
+                continue
+            _check_shape(reader, source, tuple(chunk.infos[p].shape), reader.directory)
+            chosen.append((chunk, p, source))
+        plain: dict[str, torch.Tensor] = {}
+        for name, buf in buffers.items():
+            if name not in saved:
+                missing.append(name)
+                continue
+            _check_shape(reader, name, tuple(buf.shape), reader.directory)
+            plain[name] = buf
+        known = {n for _, _, names in managed for n in names} | set(buffers)
+        unexpected = sorted(saved - known)
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"checkpoint {reader.directory} does not match the model: missing "
+                f"{missing[:8]}, unexpected {unexpected[:8]}; load the checkpoint of this "
+                "model or pass strict=False"
+            )
+        with torch.no_grad():
+            for chunk, p, source in chosen:
+                start, stop, _ = chunk.tensor_shard(p, source="master")
+                if stop > start:
+                    load_piece(chunk, p, reader.read_part(source, FlatRange(start, stop)))
+            refresh_chunks(gemini.chunk_manager)  # collective: every rank, same chunks
+            for name, buf in plain.items():
+                buf.copy_(reader.read(name).reshape(buf.shape))
+
+    # ---- optimizer -------------------------------------------------------------------------
+    def optimizer_state(self, optimizer: OptimizerWrapper) -> dict[str, Any]:
+        """A Gemini optimizer's states by parameter index, elementwise ones as ShardedTensor.
+
+        Collective over the chunks' group (one object all-gather of which states exist).
+        """
+        gemini = find_gemini_optimizer(optimizer)
+        if gemini is None:
+            return super().optimizer_state(optimizer)
+        return self._gemini_optimizer_state(gemini, ChunkGatherer())
+
+    def _gemini_optimizer_state(
+        self, gemini: GeminiOptimizer, gatherer: ChunkGatherer
+    ) -> dict[str, Any]:
+        names = param_names(gemini)
+        position = {n: i for i, n in enumerate(names)}
+        shards = optimizer_shards(gemini, gatherer)
+        state = {position[name]: entries for name, entries in shards.items()}
+        groups, start = [], 0
+        for group, group_names in zip(gemini.optim.param_groups, gemini.param_names or (),
+                                      strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(group_names)))})
+            start += len(group_names)
+        scaler = gemini.scaler.state_dict() if gemini.scaler is not None else None
+        return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+
+    def optimizer_layout(self, optimizer: OptimizerWrapper) -> dict[int, ShardedTensor]:
+        """Gemini: the flat range of each parameter this rank's chunk shards hold."""
+        gemini = find_gemini_optimizer(optimizer)
+        if gemini is None:
+            return super().optimizer_layout(optimizer)
+        manager = gemini.chunk_manager
+        out: dict[int, ShardedTensor] = {}
+        for i, name in enumerate(param_names(gemini)):
+            p = manager.param(name)
+            out[i] = ChunkTensor(manager.chunk_of(p), p)
+        return out
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+        background_snapshot: bool = False,
+    ) -> None:
+        """As :meth:`CheckpointIO.save_optimizer`; Gemini's states stream chunk by chunk.
+
+        The states are written chunk by chunk and, within a chunk, state by state, so each
+        ``(chunk, state)`` is gathered once.
+        """
+        gemini = find_gemini_optimizer(optimizer)
+        if gemini is None:
+            super().save_optimizer(optimizer, checkpoint, shard, size_per_shard, use_async,
+                                   background_snapshot)
+            return
+        gatherer = ChunkGatherer()
+        tensors, meta = indexed_to_named(self._gemini_optimizer_state(gemini, gatherer),
+                                         param_names(gemini))
+        tensors = dict(sorted(tensors.items(), key=_stream_order))
+        meta["param_shapes"] = param_shapes_entry(self._param_shapes(gemini))
+        try:
+            self.saver.save(
+                tensors,
+                checkpoint,
+                "optimizer",
+                OPTIMIZER_INDEX,
+                size_per_shard if shard else float("inf"),
+                extra=meta,
+                use_async=use_async,
+                gather=self.to_full,
+                background=set(tensors) if background_snapshot else (),
+            )
+        finally:
+            gatherer.release()
+
+    def load_optimizer_state(
+        self, optimizer: OptimizerWrapper, meta: dict[str, Any], reader: TensorReader
+    ) -> None:
+        """Load the named checkpoint state: each rank reads only its pieces' flat ranges.
+
+        Raises:
+            CheckpointError: Another model's checkpoint (names or shapes differ).
+        """
+        gemini = find_gemini_optimizer(optimizer)
+        if gemini is None:
+            super().load_optimizer_state(optimizer, meta, reader)
+            return
+        names = param_names(gemini)
+        manager = gemini.chunk_manager
+        pieces = {v.name: v for v in gemini.master_views}
+
+        def read(param: str, key: str) -> Any:
+            stored = tuple(reader.shape(key))
+            if not stored:
+                return reader.read(key)  # step and other scalars
+            view = pieces.get(param)
+            if view is None:
+                return _SKIP  # this rank holds none of the parameter (or it is frozen)
+            shape = tuple(manager.chunk_of(manager.param(param)).infos[view.param].shape)
+            if stored != shape:
+                raise CheckpointError(
+                    f"optimizer state {key!r} has shape {stored} in the checkpoint but the "
+                    f"parameter has {shape}: the checkpoint belongs to another model"
+                )
+            return reader.read_part(key, FlatRange(view.start, view.stop))
+
+        indexed = named_to_indexed(meta, reader.weight_map, names, read)
+        state: dict[str, Any] = {}
+        for index, entries in indexed["state"].items():
+            view = pieces.get(names[int(index)])
+            if view is None:
+                continue
+            kept = {k: v for k, v in entries.items() if v is not _SKIP}
+            state[view.name] = {**kept, "range": (view.start, view.stop)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [names[i] for i in g["params"]]} for g in indexed["param_groups"]]
+        scaler = indexed.get("loss_scaler") if gemini.scaler is not None else None
+        gemini.load_state_dict({"state": state, "param_groups": groups, "loss_scaler": scaler})
+
+
+def _check_shape(reader: TensorReader, name: str, shape: tuple[int, ...], where: str) -> None:
+    stored = tuple(reader.shape(name))
+    if stored != shape:
+        raise CheckpointError(
+            f"{name!r} has shape {list(stored)} in {where} but {list(shape)} in the model: "
+            "the checkpoint belongs to another model"
+        )

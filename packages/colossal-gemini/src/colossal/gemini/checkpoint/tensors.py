@@ -1,0 +1,231 @@
+"""Gemini's parameters and optimizer states as :class:`colossal.core.ShardedTensor`.
+
+A parameter managed by a chunk is held, on each rank, as the elements of its flattened self
+that fall into the rank's shard of the chunk: a :class:`colossal.core.FlatRange` (empty when
+the rank's shard holds none of it). :class:`ChunkTensor` is that view of a parameter (its
+fp32 master when the chunk keeps one, else its shard); :class:`ChunkStateTensor` is the same
+view of one optimizer state laid out like the parameter (Adam's ``exp_avg``/``exp_avg_sq``).
+Their ``gather`` goes through a :class:`~colossal.gemini.checkpoint.ChunkGatherer`, so a save
+that asks for the tensors chunk by chunk gathers each chunk once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal.core import FlatRange
+from colossal.core.comm import all_gather_object
+from colossal.gemini.checkpoint.gatherer import ChunkGatherer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkStateTensor", "ChunkTensor", "model_shards", "optimizer_shards"]
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class ChunkTensor:
+    """One managed parameter as the flat range of it this rank's chunk shard holds.
+
+    ``dtype`` is the master's (fp32) when the chunk keeps a master, else the chunk's;
+    ``local()`` is this rank's piece of the master (or of the shard). ``gather`` is
+    collective over the chunk's group (the chunk is gathered once per ``gatherer``).
+
+    Args:
+        chunk: The ``colossal.gemini.Chunk`` holding ``param``.
+        param: The parameter.
+        gatherer: Shared by the tensors of one save (a new one when None).
+        position: The chunk's index in its manager (orders a chunk-by-chunk save).
+    """
+
+    state = "param"
+
+    def __init__(
+        self,
+        chunk: Any,
+        param: nn.Parameter,
+        gatherer: ChunkGatherer | None = None,
+        position: int = 0,
+    ) -> None:
+        self.chunk, self.param = chunk, param
+        self.info = chunk.infos[param]
+        self.gatherer = gatherer if gatherer is not None else ChunkGatherer()
+        self.position = position
+        start, stop, _ = chunk.tensor_shard(param, source="master")
+        self._part = FlatRange(start, stop)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The parameter's shape."""
+        return torch.Size(self.info.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """fp32 with a master, else the chunk's dtype."""
+        return self.chunk.master_dtype or self.chunk.dtype
+
+    @property
+    def part(self) -> FlatRange:
+        """The elements of the flattened parameter this rank holds."""
+        return self._part
+
+    @property
+    def order(self) -> tuple[int, str, int]:
+        """Sort key of a chunk-by-chunk save: chunk, state, offset in the chunk."""
+        return (self.position, self.state, self.info.offset)
+
+    def local(self) -> torch.Tensor:
+        """This rank's elements (1-D view of the master, or of the shard without one)."""
+        return self.chunk.tensor_shard(self.param, source="master")[2]
+
+    def _flat_shard(self) -> torch.Tensor:
+        return self.chunk.optim_shard
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The whole tensor (CPU) on global rank ``dst`` (every rank when None); collective.
+
+        The first tensor of a chunk gathers the whole chunk; the others slice that buffer.
+        """
+        buf = self.gatherer.buffer(self.chunk, self.state, self._flat_shard)
+        if dst is not None and dst != _this_rank():
+            return None
+        return buf[self.info.offset : self.info.end].view(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.info.name!r}, shape={tuple(self.shape)}, "
+                f"part={self._part}, chunk={self.chunk.chunk_id})")
+
+
+class ChunkStateTensor(ChunkTensor):
+    """One elementwise optimizer state of a managed parameter, laid out like the parameter.
+
+    Args:
+        chunk: The parameter's chunk.
+        param: The parameter.
+        state: The state's name (``"exp_avg"``, ...).
+        dtype: The state's dtype (the same on every rank).
+        pieces: This rank's pieces of ``state`` in the chunk: ``(offset in the shard,
+            values)`` of every parameter it holds a piece of (shared by the chunk's tensors).
+        gatherer: Shared by the tensors of one save.
+        position: The chunk's index in its manager.
+    """
+
+    def __init__(
+        self,
+        chunk: Any,
+        param: nn.Parameter,
+        state: str,
+        dtype: torch.dtype,
+        pieces: list[tuple[int, torch.Tensor]],
+        gatherer: ChunkGatherer | None = None,
+        position: int = 0,
+    ) -> None:
+        super().__init__(chunk, param, gatherer, position)
+        self.state, self._dtype, self._pieces = state, dtype, pieces
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The state's dtype."""
+        return self._dtype
+
+    def local(self) -> torch.Tensor:
+        """This rank's elements of the state (empty when it holds none of the parameter)."""
+        at = self.info.offset + self._part.start - self.chunk.shard_begin
+        for offset, values in self._pieces:
+            if offset == at and values.numel() == self._part.numel:
+                return values
+        return torch.empty(0, dtype=self._dtype)
+
+    def _flat_shard(self) -> torch.Tensor:
+        flat = torch.zeros(self.chunk.shard_size, dtype=self._dtype)
+        for offset, values in self._pieces:
+            flat[offset : offset + values.numel()].copy_(values.reshape(-1))
+        return flat
+
+
+def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str, ChunkTensor]:
+    """Every managed parameter of a ``GeminiDDP`` as a :class:`ChunkTensor`, chunk by chunk.
+
+    Each parameter appears once, under the name it was registered with (tied weights once).
+
+    Args:
+        module: The ``GeminiDDP`` model (anything with a ``chunk_manager``).
+        gatherer: Shared by the tensors (a new one when None).
+    """
+    gatherer = gatherer if gatherer is not None else ChunkGatherer()
+    out: dict[str, ChunkTensor] = {}
+    for position, chunk in enumerate(module.chunk_manager.chunks):
+        for p in chunk.params:
+            out[chunk.infos[p].name] = ChunkTensor(chunk, p, gatherer, position)
+    return out
+
+
+def _summary(optimizer: Any) -> tuple[dict[str, dict[str, tuple]], dict[tuple[int, str], list]]:
+    """This rank's state kinds by parameter name, and its elementwise pieces per chunk."""
+    kinds: dict[str, dict[str, tuple]] = {}
+    pieces: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}
+    for v in optimizer.master_views:
+        chunk, info = v.chunk, v.chunk.infos[v.param]
+        entry: dict[str, tuple] = {}
+        for key, value in optimizer.optim.state.get(v.view, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == v.numel:
+                entry[key] = ("elementwise", str(value.dtype).removeprefix("torch."))
+                at = info.offset + v.start - chunk.shard_begin
+                pieces.setdefault((id(chunk), key), []).append((at, value.detach()))
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                entry[key] = ("tensor", str(value.dtype).removeprefix("torch."), value.item())
+            else:
+                entry[key] = ("value", value)
+        kinds[v.name] = entry
+    return kinds, pieces
+
+
+def optimizer_shards(
+    optimizer: Any, gatherer: ChunkGatherer | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each trainable parameter's optimizer states, by name, in chunk order.
+
+    Elementwise states (shaped like this rank's piece of the parameter) become
+    :class:`ChunkStateTensor`; one-element tensors (``step``) and other values are given as
+    they are on the ranks holding them, on every rank. Collective over the chunks' group:
+    ONE object all-gather of which states exist (a rank holds no piece of some parameters).
+
+    Args:
+        optimizer: The ``GeminiOptimizer`` (``master_views``, ``optim``, ``chunk_manager``).
+        gatherer: Shared by the tensors (a new one when None).
+    """
+    gatherer = gatherer if gatherer is not None else ChunkGatherer()
+    kinds, pieces = _summary(optimizer)
+    manager = optimizer.chunk_manager
+    if dist.is_initialized() and dist.get_world_size(manager.group) > 1:
+        merged: dict[str, dict[str, tuple]] = {}
+        for theirs in all_gather_object(kinds, manager.group):
+            for name, entry in theirs.items():
+                merged.setdefault(name, {}).update(entry)
+        kinds = merged
+    out: dict[str, dict[str, Any]] = {}
+    for position, chunk in enumerate(manager.chunks):
+        if not chunk.requires_grad:
+            continue
+        for p in chunk.params:
+            name = chunk.infos[p].name
+            entry = {}
+            for key, kind in sorted(kinds.get(name, {}).items()):
+                if kind[0] == "elementwise":
+                    shared = pieces.setdefault((id(chunk), key), [])
+                    entry[key] = ChunkStateTensor(chunk, p, key, getattr(torch, kind[1]), shared,
+                                                  gatherer, position)
+                elif kind[0] == "tensor":
+                    entry[key] = torch.tensor(kind[2], dtype=getattr(torch, kind[1]))
+                else:
+                    entry[key] = kind[1]
+            if entry:
+                out[name] = entry
+    return out

@@ -192,6 +192,19 @@ def test_gemini_ddp_world2(rank: int, world_size: int) -> None:
     assert tracker.calls("all_gather") == 2 * n + 1
     assert tracker.calls("reduce_scatter") == n
     _check_grads(ddp, _reference(ref_model, ids, world_size), 1e-5, 1e-6, "tied")
+    # state_dict keeps both names of the tied weight, as torch's (catches the duplicate
+    # dropped: loading it into the plain model would then fail on head.weight).
+    full, want = ddp.state_dict(), ref_model.state_dict()
+    assert list(full) == list(want) and "head.weight" in full
+    assert full["head.weight"] is full["emb.weight"]
+    for name, t in want.items():
+        assert torch.equal(full[name], t), name
+    plain = Net(tied=True)
+    plain.load_state_dict(full)  # strict
+    # load_state_dict reads a tied weight under any of its names.
+    changed = {k: v + 1 for k, v in full.items() if k != "emb.weight"}
+    ddp.load_state_dict(changed)
+    torch.testing.assert_close(ddp.state_dict()["emb.weight"], full["emb.weight"] + 1)
 
     # Gradient accumulation: two micro-batches under no_sync equal the large batch.
     model, ref_model = _make()

@@ -345,33 +345,50 @@ class GeminiDDP(ModelWrapper):
 
         For small models and tests only: every rank ends up with the whole model. The
         sharded checkpoint protocol (no whole-model gather) is the way to save big models.
+        As torch's, a tied parameter appears under each of its names (the same tensor), in
+        the module's order.
         """
-        out: dict[str, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
         for chunk in self.chunk_manager.chunks:
             was = chunk.is_gathered
             self.chunk_manager.access(chunk)
             for p in chunk.params:
-                out[chunk.infos[p].name] = p.detach().to("cpu", torch.float32, copy=True)
+                values[id(p)] = p.detach().to("cpu", torch.float32, copy=True)
             if not was:
                 self.chunk_manager.release(chunk)
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in values:
+                out[name] = values[id(p)]
         for name, buf in self.module.named_buffers():
             out[name] = buf.detach().cpu().clone()
         return out
+
+    def _aliases(self) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return names
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor],  # type: ignore[override]
                         strict: bool = True) -> Any:
         """Load full tensors into the shards and masters (each rank takes its slices).
 
+        A tied parameter is read under any of its names.
+
         Raises:
             KeyError: ``strict`` and a parameter is missing.
         """
+        aliases = self._aliases()
         for chunk in self.chunk_manager.chunks:
             for p in chunk.params:
                 name = chunk.infos[p].name
-                if name not in state_dict:
+                found = [n for n in aliases.get(id(p), [name]) if n in state_dict]
+                if not found:
                     if strict:
                         raise KeyError(f"parameter {name!r} missing from the state dict")
                     continue
+                name = found[0]
                 flat = state_dict[name].reshape(-1)
                 for source in ("shard", "master"):
                     start, stop, view = chunk.tensor_shard(p, source=source)  # type: ignore[arg-type]
@@ -379,10 +396,10 @@ class GeminiDDP(ModelWrapper):
             if chunk.is_gathered:
                 if chunk.keep_gathered:
                     for p in chunk.params:
-                        name = chunk.infos[p].name
-                        if name in state_dict:
+                        found = [n for n in aliases.get(id(p), []) if n in state_dict]
+                        if found:
                             with torch.no_grad():
-                                p.copy_(state_dict[name].reshape(p.shape))
+                                p.copy_(state_dict[found[0]].reshape(p.shape))
                 else:
                     self.chunk_manager.release(chunk)
         for name, buf in self.module.named_buffers():

@@ -1,0 +1,82 @@
+"""Checkpoint save/load throughput of a Gemini model against the disk, for ``gemini.py``.
+
+Runs inside the spawned ranks after the timed steps: the disk's write bandwidth (every rank
+writing its share with fsync, in parallel, as ``benchmarks/checkpoint.py``) is measured first,
+then ``GeminiCheckpointIO`` saves (sharded) and loads the model and the optimizer. Any failure
+becomes a row with the error instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from checkpoint import disk_write
+
+logger = logging.getLogger(__name__)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+def checkpoint_rows(
+    rank: int, world: int, model: Any, optim: Any, psi: int, root: str
+) -> list[dict[str, Any]]:
+    """Rows: disk write bandwidth, then Gemini save and load (model + optimizer) throughput.
+
+    ``root`` is a directory every rank sees; it is emptied afterwards. The bytes counted for
+    the Gemini rows are those the save wrote (read back from the directory).
+    """
+    rows: list[dict[str, Any]] = []
+    model_dir, optim_dir = os.path.join(root, "model"), os.path.join(root, "optim")
+    try:
+        from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+
+        io = GeminiCheckpointIO()
+        save_s = _timed(
+            lambda: (
+                io.save_model(model, model_dir, shard=True),
+                io.save_optimizer(optim, optim_dir, shard=True),
+            )
+        )
+        nbytes = _dir_bytes(root)
+        load_s = _timed(
+            lambda: (io.load_model(model, model_dir), io.load_optimizer(optim, optim_dir))
+        )
+        saved = {"save_s": save_s, "load_s": load_s, "GB": nbytes / 1e9}
+    except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
+        logger.warning("gemini checkpoint failed: %r", exc)
+        saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
+        nbytes = 0
+    if dist.is_initialized():
+        dist.barrier()
+    # disk bandwidth for the same bytes (or, when the save failed, the model states' size)
+    probe = nbytes or 3 * 4 * psi  # fp32 params + two Adam states
+    disk_s = disk_write(os.path.join(root, f"disk{rank}.bin"), max(probe // world, 1 << 20))
+    rows.append({"method": "disk write (fsync, all ranks)", "GB": probe / 1e9, "save_s": disk_s})
+    rows.append({"method": "gemini save+load (model, optimizer)", **saved})
+    for row in rows:
+        if "save_s" in row:
+            row["save_GB_s"] = row["GB"] / row["save_s"]
+        if "load_s" in row:
+            row["load_GB_s"] = row["GB"] / row["load_s"]
+    if rank == 0:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.rmtree(optim_dir, ignore_errors=True)
+    return rows

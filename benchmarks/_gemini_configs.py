@@ -1,0 +1,233 @@
+"""The training configurations ``benchmarks/gemini.py`` compares, and one step of each.
+
+Every configuration is built from a fresh copy of the same GPT (same seed) and exposes one
+training step that returns the model-state bytes this rank holds after backward (parameters,
+gradients, master weights, optimizer states): the moment they are all alive at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from bench_gpt import GPT, GPTConfig, lm_loss
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CONFIGS = (
+    "ddp",
+    "fsdp2",
+    "fsdp2_bf16",
+    "gemini_static_bf16",
+    "gemini_static_fp16",
+    "gemini_auto_bf16",
+)
+ADAM = {"lr": 1e-4, "weight_decay": 0.01}
+AUTO_RESERVE = 0.15  # auto: device share reserved for non-model data (forces eviction)
+
+
+class TiedHeadGPT(GPT):
+    """``bench_gpt.GPT`` with its tied LM head as an ``nn.Linear`` module (same parameters).
+
+    ``GPT.forward`` multiplies by ``wte.weight`` outside any module call; GeminiDDP gathers
+    a chunk only around calls of the modules that own its parameters, so there the weight
+    would be a released (empty) view. The head module sharing ``wte.weight`` computes the
+    same thing, and every configuration uses it so they run the same model.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    """Bytes of ``t`` held on this rank (a DTensor's local shard only)."""
+    if t is None:
+        return 0
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optim: Any) -> int:
+    """Bytes of every tensor in the optimizer's state (through wrappers' ``.optim``)."""
+    inner = getattr(optim, "optim", optim)
+    return sum(
+        tensor_bytes(v)
+        for state in inner.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def torch_model_state(model: nn.Module, optim: Any) -> int:
+    """Parameters + gradients + optimizer states of a torch (DDP/FSDP2) model on this rank."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return sum(tensor_bytes(p) + tensor_bytes(p.grad) for p in params) + optimizer_state_bytes(
+        optim
+    )
+
+
+def gemini_model_state(model: Any, optim: Any) -> tuple[int, dict[str, int]]:
+    """(total bytes, bytes by kind) of a GeminiDDP model's state on this rank.
+
+    Uses the package's own per-kind report when GeminiDDP has one (``memory_report()``),
+    else the chunks' ``memory()`` (shards, masters, gradient shards, gathered payloads,
+    gradient buffers) plus the optimizer's state tensors.
+    """
+    report = getattr(model, "memory_report", None)
+    if callable(report):
+        got = report()
+        by_kind = dict(got) if isinstance(got, dict) else dict(vars(got))
+        by_kind = {k: int(v) for k, v in by_kind.items() if isinstance(v, int | float)}
+        total = by_kind.pop("total", None)
+        if "optimizer_states" not in by_kind and "optim_states" not in by_kind:
+            by_kind["optimizer_states"] = optimizer_state_bytes(optim)
+        return int(total if total is not None else sum(by_kind.values())), by_kind
+    chunks = model.chunk_manager.memory()
+    by_kind = {f"chunks_{loc}": int(n) for loc, n in chunks.items()}
+    by_kind["optimizer_states"] = optimizer_state_bytes(optim)
+    return sum(by_kind.values()), by_kind
+
+
+@dataclass
+class Run:
+    """One built configuration: the forward module, the optimizer, how to step it."""
+
+    name: str
+    model: nn.Module
+    module: Any
+    optim: Any
+    gemini: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def step(self, data: torch.Tensor) -> int:
+        """One training step; returns the model-state bytes held after backward."""
+        self.optim.zero_grad()
+        loss = lm_loss(self.module, data)
+        if self.gemini:
+            self.optim.backward(loss)
+            memory, by_kind = gemini_model_state(self.module, self.optim)
+            self.info["memory_by_kind"] = by_kind
+        else:
+            loss.backward()
+            memory = torch_model_state(self.model, self.optim)
+        self.optim.step()
+        return memory
+
+
+def gemini_kwargs(
+    config: str, chunk_size: int, device_limit: int | None, reserve: float = AUTO_RESERVE
+) -> dict[str, Any]:
+    """GeminiDDP arguments of a ``gemini_*`` configuration (``device_limit``, ``reserve``:
+    auto only)."""
+    precision = config.rsplit("_", 1)[1]
+    kwargs: dict[str, Any] = {
+        "precision": precision,
+        "chunk_config_dict": {"chunk_size": chunk_size},
+    }
+    if "_static_" in config:
+        kwargs.update(placement_policy="static", shard_param_frac=1.0, offload_optim_frac=1.0)
+    elif "_auto_" in config:
+        kwargs.update(
+            placement_policy="auto",
+            warmup_non_model_data_ratio=reserve,
+            device_memory_limit=device_limit,
+        )
+    else:
+        raise ValueError(f"unknown gemini configuration {config!r}; choose one of {CONFIGS}")
+    return kwargs
+
+
+def _gemini(
+    config: str,
+    cfg: GPTConfig,
+    chunk_size: int,
+    device_limit: int | None,
+    reserve: float = AUTO_RESERVE,
+) -> Run:
+    from colossal.gemini import GeminiDDP, GeminiOptimizer
+    from colossal.kernels import HybridAdam
+
+    torch.manual_seed(0)
+    model = TiedHeadGPT(cfg)
+    optim = HybridAdam(model.parameters(), **ADAM)
+    gemini = GeminiDDP(model, **gemini_kwargs(config, chunk_size, device_limit, reserve))
+    return Run(config, model, gemini, GeminiOptimizer(optim, gemini), True)
+
+
+def eviction_limit(config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor) -> int:
+    """The device memory limit of ``config`` (auto): the peak it would reach without eviction.
+
+    One probe step without a limit measures the peak device model data ``P``; the auto
+    configuration then runs with the device limited to ``P`` and a share (``--auto-reserve``,
+    default :data:`AUTO_RESERVE`) of it reserved for non-model data, so model data must stay
+    within ``(1 - share) * P`` at every gather: parameter shards have to be evicted to the
+    host at the busiest moments (the ``shards_on_host`` column shows whether they were), and
+    the limit ``P`` itself (eviction only lowers usage against it) is never exceeded.
+    """
+    probe = _gemini(config, cfg, chunk_size, None)
+    probe.step(data)
+    return probe.module.budget.peak("device")
+
+
+def build(
+    config: str,
+    cfg: GPTConfig,
+    chunk_size: int,
+    data: torch.Tensor,
+    reserve: float = AUTO_RESERVE,
+) -> Run:
+    """A fresh model (seed 0) wrapped as ``config`` (``data``: a batch for auto's probe;
+    ``reserve``: auto's device share kept from model data).
+
+    Raises:
+        ValueError: ``config`` is not one of :data:`CONFIGS`.
+    """
+    torch.manual_seed(0)
+    model = TiedHeadGPT(cfg)
+    if config == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        return Run(config, model, ddp, torch.optim.AdamW(model.parameters(), **ADAM), False)
+    if config.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            if config.endswith("bf16")
+            else MixedPrecisionPolicy()
+        )
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=True, mp_policy=policy)
+        return Run(config, model, model, torch.optim.AdamW(model.parameters(), **ADAM), False)
+    if config.startswith("gemini"):
+        limit = eviction_limit(config, cfg, chunk_size, data) if "_auto_" in config else None
+        return _gemini(config, cfg, chunk_size, limit, reserve)
+    raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
+
+
+def gemini_facts(run: Run) -> dict[str, Any]:
+    """Chunk count, device-memory peak and evicted shards of a Gemini run (for the table)."""
+    if not run.gemini:
+        return {}
+    manager = run.module.chunk_manager
+    budget = run.module.budget
+    on_host = sum(1 for c in manager.chunks if getattr(c, "shard_location", None) == "host")
+    return {
+        "chunks": len(manager.chunks),
+        "device_peak": budget.peak("device"),
+        "device_limit": budget.capacity,
+        "shards_on_host": on_host,
+    }

@@ -199,10 +199,11 @@ class GeminiDDP(ModelWrapper):
             self.reduce_group,
             accumulate=enable_gradient_accumulation,
             before_gather=self._evict if isinstance(self.placement, AutoPlacement) else None,
-            fits=self.budget.fits if self.budget.capacity is not None else None,
+            fits=self._fits if self.budget.capacity is not None else None,
         )
         self._runtime.install(module)
         self._no_sync = False
+        self.evictions = 0  # parameter shards the auto placement moved to the host
         if verbose:
             logger.info("GeminiDDP: %d chunks of %d elements (%s), %s", len(self.chunk_manager
                         .chunks), chunk_size, precision, self.chunk_manager.memory())
@@ -249,16 +250,36 @@ class GeminiDDP(ModelWrapper):
                 if buf is not None:
                     sub._buffers[key] = buf.to(device)
 
-    def _evict(self, needed: list[Chunk], step: int) -> None:
+    def _stats_step(self, step: int) -> int:
+        assert isinstance(self.placement, AutoPlacement)
+        stats = self.placement.memstats
+        return min(step, len(stats) - 1) if stats is not None and len(stats) else 0
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more device bytes fit (auto: the policy's model-data limit)."""
+        if not isinstance(self.placement, AutoPlacement):
+            return self.budget.fits(nbytes)
+        limit = self.placement.model_data_limit(self._stats_step(self._runtime.step),
+                                                self.budget)
+        return limit is None or self.budget.used("device") + nbytes <= limit
+
+    def _evict(self, needed: list[Chunk], step: int, demand: int | None = None) -> None:
+        """Auto placement: move parameter shards to the host so ``demand`` device bytes fit.
+
+        ``demand`` defaults to the payloads of the ``needed`` chunks not gathered (a gather
+        allocates the whole payload; the shard stays where it is).
+        """
         assert isinstance(self.placement, AutoPlacement)
         resident = [c for c in self.chunk_manager.chunks
                     if not c.keep_gathered and not c.is_gathered and c.shard_location == "device"]
-        stats = self.placement.memstats
-        step = min(step, len(stats) - 1) if stats is not None and len(stats) else 0
+        step = self._stats_step(step)
+        if demand is None:
+            demand = sum(c.payload_bytes for c in needed if not c.is_gathered)
         for chunk in self.placement.evictions(
-            resident, needed, step, self.budget, size_of=lambda c: c.shard_bytes
+            resident, needed, step, self.budget, demand=demand, size_of=lambda c: c.shard_bytes
         ):
             chunk.move_shard("host")
+            self.evictions += 1
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -49,7 +49,9 @@ class ChunkRuntime:
         reduce_group: Process group for the reductions (same ranks as the chunks' group).
         accumulate: Add each backward's reduced gradient to the existing gradient shard.
         before_gather: Called with the chunks about to be gathered and the step index (the
-            auto placement's eviction point); may be ``None``.
+            auto placement's eviction point), and with ``(chunks, step, nbytes)`` when a
+            gradient buffer of ``nbytes`` for ``chunks`` does not fit even after waiting for
+            the launched reductions; may be ``None``.
         fits: Whether ``nbytes`` more fit on the device (the budget's ``fits``); when not,
             launched reductions are waited for to free their gradient buffers.
     """
@@ -60,7 +62,7 @@ class ChunkRuntime:
         reduce_group: Any,
         *,
         accumulate: bool = False,
-        before_gather: Callable[[list[Chunk], int], None] | None = None,
+        before_gather: Callable[..., None] | None = None,
         fits: Callable[[int], bool] | None = None,
     ) -> None:
         self.manager = manager
@@ -114,7 +116,7 @@ class ChunkRuntime:
         if self.walk is not None:
             self.walk.poll()
             need = sum(c.payload_bytes for c in chunks if not c.is_gathered)
-            self._make_room(need)
+            self._make_room(need, chunks, evict=False)  # the eviction follows below
         todo = [c for c in chunks if not c.is_gathered]
         if todo and self.before_gather is not None:
             self.before_gather(todo, self.step)
@@ -182,11 +184,16 @@ class ChunkRuntime:
             prefetch=self.manager.prefetch if prefetch and self.manager.max_prefetch else None,
         )
 
-    def _make_room(self, nbytes: int) -> None:
+    def _make_room(self, nbytes: int, needed: list[Chunk], *, evict: bool = True) -> None:
+        """Wait for launched reductions (their buffers free), then evict, until it fits."""
         if self.walk is not None and self.fits is not None and nbytes:
             self.walk.make_room(lambda: self.fits(nbytes))  # type: ignore[misc]
+            if evict and self.before_gather is not None and not self.fits(nbytes):
+                self.before_gather(needed, self.step, nbytes)
 
     def _launch(self, chunk: Chunk) -> Any:
+        if not chunk.keep_gathered and chunk.world_size > 1:
+            self._make_room(chunk.shard_bytes, [chunk])  # the reduce-scatter's output
         accumulate = self.accumulate and chunk.grad_shard is not None
         return chunk.reduce(accumulate=accumulate, group=self.reduce_group, async_op=True)
 
@@ -205,7 +212,7 @@ class ChunkRuntime:
         walk = self._ensure_walk()
         chunk = self.manager.chunk_of(param)  # type: ignore[arg-type]
         if not chunk.reducing and chunk.memory()["device"] < chunk.payload_bytes * 2:
-            self._make_room(chunk.payload_bytes)  # the gradient buffer comes next
+            self._make_room(chunk.payload_bytes, [chunk])  # the gradient buffer comes next
         chunk.copy_grad(param, grad)  # type: ignore[arg-type]
         param.grad = None
         walk.try_launch()

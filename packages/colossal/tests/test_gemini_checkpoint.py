@@ -7,10 +7,13 @@ no gather), assembled by range in the test process.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from booster_testlib import (
@@ -25,15 +28,44 @@ from booster_testlib import (
 )
 from torch import nn
 
+from colossal.booster.plugin import gemini_checkpoint_io
 from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 from colossal.core.testing import spawn
-from colossal.gemini import GeminiDDP, GeminiOptimizer
+from colossal.gemini import ChunkGatherer, GeminiDDP, GeminiOptimizer
 
 SHARD_MB = 0.0005  # ~500-byte files: many files, written by both ranks
-CHUNK_A = {"chunk_size": 96}  # parameters straddle the ranks' shards
+CHUNK_A = {"chunk_size": 64}  # parameters straddle the ranks' shards
 CHUNK_B = {"chunk_size": 160}  # another layout for the loading side
 STEPS = 3
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class _Tracked(ChunkGatherer):
+    """Counts the chunk buffers alive across a save (numpy-backed: weakrefs see them)."""
+
+    refs: list[weakref.ref] = []
+    max_alive = 0
+
+    def _allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        gc.collect()
+        array = numpy.empty(numel * dtype.itemsize, dtype=numpy.uint8)
+        cls = type(self)
+        cls.refs = [r for r in cls.refs if r() is not None] + [weakref.ref(array)]
+        cls.max_alive = max(cls.max_alive, len(cls.refs))
+        return torch.from_numpy(array).view(dtype)
+
+
+def _held_chunks_in_one_file_save(gemini: GeminiDDP, opt: Any, root: str) -> int:
+    """The most chunk buffers alive at once in a sync save of one big file each."""
+    original = gemini_checkpoint_io.ChunkGatherer
+    gemini_checkpoint_io.ChunkGatherer = _Tracked  # type: ignore[misc]
+    try:
+        io = GeminiCheckpointIO()
+        io.save_model(gemini, f"{root}/one-file/model")
+        io.save_optimizer(opt, f"{root}/one-file/optim")
+    finally:
+        gemini_checkpoint_io.ChunkGatherer = original  # type: ignore[misc]
+    return _Tracked.max_alive
 
 
 def _gemini(precision: str, chunk: dict[str, Any], seed: int) -> tuple[GeminiDDP, Any]:
@@ -102,10 +134,12 @@ def _save_and_cross_load(rank: int, world: int, root: str, precision: str) -> di
     io.save_model(gemini, f"{root}/gemini/model", shard=True, size_per_shard=SHARD_MB)
     io.save_optimizer(opt, f"{root}/gemini/optim", shard=True, size_per_shard=SHARD_MB)
     saved = _pieces(gemini, opt)
+    held = _held_chunks_in_one_file_save(gemini, opt, root)
     uninterrupted = _train(gemini, opt, range(STEPS, 2 * STEPS), rank, world)
     final = _pieces(gemini, opt)
 
-    out: dict[str, Any] = {"saved": saved, "final": final}
+    out: dict[str, Any] = {"saved": saved, "final": final, "held": held,
+                           "chunks": len(gemini.chunk_manager.chunks)}
     # Resume in Gemini with another chunk size: exactly the uninterrupted run.
     for label, chunk in (("same", CHUNK_A), ("other", CHUNK_B)):
         gemini2, opt2 = _gemini(precision, chunk, seed=99)
@@ -154,6 +188,10 @@ def test_gemini_checkpoint_matrix(tmp_path: Any, precision: str) -> None:
     masters, moments = _assemble([r["saved"] for r in results])
     final_masters, final_moments = _assemble([r["final"] for r in results])
     r0 = results[0]
+    # A sync save holds the chunk being gathered and at most the one being written, however
+    # many chunks share a file (not every chunk of the file until it is durable).
+    assert r0["chunks"] >= 4
+    assert all(r["held"] <= 2 for r in results), [r["held"] for r in results]
     # Resume is bit-identical to the uninterrupted run (same or another chunk size).
     for label in ("same", "other"):
         assert r0[f"resumed_{label}"] == r0["uninterrupted"], label

@@ -12,13 +12,18 @@ background; tensors named in ``background`` are even snapshotted on a background
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
 import os
+import queue
 import shutil
 import sys
+import threading
 import time
+import uuid
+import zlib
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -41,7 +46,8 @@ from colossal.checkpoint_io.index import (
     plan_shards,
 )
 from colossal.core.comm import all_gather_object, barrier
-from colossal.core.io import AsyncTensorWriter, WriteHandle
+from colossal.core.io import AsyncTensorWriter, TensorInfo, WriteHandle
+from colossal.core.io.safetensors_format import encode_header
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class ShardedSaver:
         gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
         extra_files: Mapping[str, str] | None = None,
+        stream: bool = False,
     ) -> None:
         """Save ``tensors`` (the same names on every rank) as a sharded directory ``path``.
 
@@ -102,7 +109,10 @@ class ShardedSaver:
         background thread after this returns: the caller must call :meth:`wait_snapshots`
         before modifying them. The others are copied before this returns. Rank 0 also
         writes ``extra_files`` (file name -> text, e.g. a Hugging Face ``config.json``) into
-        the directory, committed together with the tensors.
+        the directory, committed together with the tensors. With ``stream`` (and not
+        ``use_async``) each file is written tensor by tensor as they are gathered, in the
+        order of ``tensors`` within each element size, and no gathered tensor is kept after
+        it is written (see the module docstring).
         """
         gather = gather or _identity
         key = staging_directory(os.path.abspath(path), prefix)
@@ -126,13 +136,18 @@ class ShardedSaver:
         if clash:
             raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
-        handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]] = []
+        handles: list[tuple[str, Any, dict[str, torch.Tensor] | None]] = []
         nbytes = dict(sizes)
         writers = self._assign([sum(nbytes[n] for n in names) for names in shards], world)
         for writer, file, names in zip(writers, files, shards, strict=True):
+            target = os.path.join(path, file)
+            if stream and not use_async:
+                streamed = _stream_part(tensors, names, writer, rank, target, gather)
+                if streamed is not None:
+                    handles.append((file, streamed, None))
+                continue
             handle, part = self._write_part(
-                tensors, names, writer, rank, os.path.join(path, file), gather, background,
-                use_async,
+                tensors, names, writer, rank, target, gather, background, use_async
             )
             if handle is not None:  # sync saves checksum the tensors in memory, not a re-read
                 handles.append((file, handle, None if use_async else part))
@@ -196,11 +211,12 @@ class ShardedSaver:
         use_async: bool = False,
         gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
+        stream: bool = False,
     ) -> None:
         """Save ``tensors`` as the one safetensors file ``path``, written by rank 0.
 
-        Collective over the group; ``gather``, ``use_async`` and ``background`` as in
-        :meth:`save`. The file is replaced atomically (a temporary file, then a rename), and
+        Collective over the group; ``gather``, ``use_async``, ``background`` and ``stream``
+        as in :meth:`save`. The file is replaced atomically (a temporary file, then a rename), and
         nothing else next to it is touched.
         """
         key = os.path.abspath(path)
@@ -216,8 +232,16 @@ class ShardedSaver:
             error = all_gather_object(error, self.group)[0]
         if error is not None:
             raise error
+        names = list(tensors)
+        if stream and not use_async:
+            _stream_part(tensors, names, 0, rank, path, gather or _identity)
+            if world > 1:
+                barrier(self.group)
+            if rank == 0:
+                logger.info("model saved to %s", path)
+            return
         handle, _ = self._write_part(
-            tensors, list(tensors), 0, rank, path, gather or _identity, background, use_async
+            tensors, names, 0, rank, path, gather or _identity, background, use_async
         )
         if handle is None:
             if not use_async and world > 1:
@@ -366,7 +390,7 @@ class _Finalize:
         prefix: str,
         index_name: str,
         index: dict[str, Any],
-        handles: list[tuple[str, WriteHandle, dict[str, torch.Tensor] | None]],
+        handles: list[tuple[str, Any, dict[str, torch.Tensor] | None]],
         rank: int,
         world: int,
         texts: Mapping[str, str] | None = None,
@@ -379,8 +403,12 @@ class _Finalize:
         meta = {}
         for file, handle, tensors in self.handles:
             written = handle.wait()
-            crc = crc32_from_tensors(written, tensors) if tensors is not None else None
+            if isinstance(handle, _Streamed):
+                crc: str | None = handle.crc32
+            else:
+                crc = crc32_from_tensors(written, tensors) if tensors is not None else None
             meta[file] = {"size": os.path.getsize(written), "crc32": crc or file_crc32(written)}
+        self.handles = []  # drop the tensors kept for the checksums
         durable.write_json(os.path.join(self.staging, f"rank{self.rank}.meta.json"), meta)
         if self.rank != 0:
             return
@@ -414,3 +442,154 @@ def run_on_rank0(fn: Callable[[], None], group: dist.ProcessGroup | None = None)
         fn()
     if world > 1:
         barrier(group)
+
+
+class _Streamed:
+    """A file :func:`_stream_part` wrote (already durable): its path and CRC-32."""
+
+    def __init__(self, path: str, crc32: str) -> None:
+        self.path, self.crc32 = path, crc32
+
+    def wait(self) -> str:
+        """The path (the file is complete)."""
+        return self.path
+
+
+def _stream_part(
+    tensors: Mapping[str, Any],
+    names: list[str],
+    writer: int,
+    rank: int,
+    target: str,
+    gather: Callable[[Any, int], torch.Tensor | None],
+) -> _Streamed | None:
+    """Gather ``names`` for ``writer`` (every rank, one order); the writer streams the file.
+
+    The order is by decreasing element size (every tensor aligned to its element size), then
+    the plan's order: the same on every rank, and chunk by chunk for chunked tensors.
+    """
+    order = sorted(range(len(names)), key=lambda i: (-tensors[names[i]].dtype.itemsize, i))
+    ordered = [names[i] for i in order]
+    stream = _StreamFile(target, [(n, tensors[n].shape, tensors[n].dtype) for n in ordered]) \
+        if writer == rank else None
+    try:
+        for name in ordered:
+            full = gather(tensors[name], writer)  # may be collective: every rank, in order
+            if stream is not None:
+                assert full is not None
+                stream.put(name, full)
+            del full
+    except BaseException:
+        if stream is not None:
+            stream.abort()
+        raise
+    return stream.finish() if stream is not None else None
+
+
+class _StreamFile:
+    """One safetensors file written tensor by tensor, crash-safely, by a writer thread.
+
+    The header (from the declared shapes and dtypes) goes to a hidden temporary file next to
+    ``target``; :meth:`put` waits until the previous tensor is written, then hands the next one
+    to the thread (which checksums, writes and drops it while the caller gathers the one after:
+    one tensor in flight); :meth:`finish` fsyncs, renames the file onto
+    ``target`` and fsyncs the directory. A failed or aborted write removes the temporary file,
+    so nothing incomplete ever carries the final name.
+    """
+
+    def __init__(self, target: str, entries: list[tuple[str, Any, torch.dtype]]) -> None:
+        infos, offset = [], 0
+        for name, shape, dtype in entries:
+            shape = tuple(int(d) for d in shape)
+            nbytes = math.prod(shape) * dtype.itemsize
+            infos.append(TensorInfo(name, dtype, shape, offset, offset + nbytes))
+            offset += nbytes
+        header = encode_header(infos, {"format": "pt"})
+        self.target, self._infos, self._next = target, infos, 0
+        directory = os.path.dirname(os.path.abspath(target))
+        name = os.path.basename(target)[:200]
+        self._tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by finish()/abort()
+        self._file.write(header)
+        self._crc = zlib.crc32(header)
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="colossal-ckpt-stream",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue the next tensor (it must be the next entry, with its shape and dtype).
+
+        Raises:
+            CheckpointError: ``tensor`` is not the entry the header declares next.
+        """
+        info = self._infos[self._next] if self._next < len(self._infos) else None
+        if info is None or info.name != name or tuple(tensor.shape) != info.shape \
+                or tensor.dtype != info.dtype:
+            raise CheckpointError(
+                f"{name!r} ({tuple(tensor.shape)}, {tensor.dtype}) is not what {self.target} "
+                f"declares next ({info}); a sharded tensor gathered to another shape or dtype "
+                "than it reports"
+            )
+        self._next += 1
+        self._queue.join()  # the previous tensor is written and dropped
+        if self._error is not None:
+            raise self._error
+        self._queue.put(tensor.detach().to("cpu").contiguous())
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                self._queue.task_done()
+                return
+            if self._error is not None:
+                del data
+                self._queue.task_done()
+                continue  # drain after a failure
+            try:
+                nbytes = data.numel() * data.element_size()
+                if nbytes:
+                    view = memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr()))
+                    self._crc = zlib.crc32(view, self._crc)
+                    self._file.write(view)
+            except BaseException as err:  # noqa: BLE001 - raised by put()/finish()
+                self._error = err
+            finally:
+                del data
+                self._queue.task_done()
+
+    def _stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def finish(self) -> _Streamed:
+        """Wait for the writes, make the file durable and give it its final name."""
+        try:
+            self._stop()
+            if self._error is not None:
+                raise self._error
+            if self._next != len(self._infos):
+                raise CheckpointError(f"{self.target}: {len(self._infos) - self._next} "
+                                      "tensors were never written")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self.target)
+        except BaseException:
+            self.abort()
+            raise
+        durable.fsync_directory(os.path.dirname(os.path.abspath(self.target)))
+        return _Streamed(self.target, f"{self._crc & 0xFFFFFFFF:08x}")
+
+    def abort(self) -> None:
+        """Stop writing and remove the temporary file."""
+        if self._thread.is_alive():
+            self._error = self._error or CheckpointError("aborted")
+            self._stop()
+        self._file.close()
+        try:
+            os.remove(self._tmp)
+        except FileNotFoundError:
+            pass

@@ -119,6 +119,9 @@ class GeminiCheckpointIO(CheckpointIO):
     ) -> None:
         """As :meth:`CheckpointIO.save_model`; a Gemini model is streamed chunk by chunk.
 
+        A sync save writes each file tensor by tensor as the chunks are gathered, so the
+        extra memory per rank stays about one chunk whatever ``size_per_shard`` is.
+
         Raises:
             ValueError: ``use_safetensors=False``.
         """
@@ -139,7 +142,7 @@ class GeminiCheckpointIO(CheckpointIO):
             if not shard and checkpoint.endswith(".safetensors") and \
                     not os.path.isdir(checkpoint):
                 self.saver.save_file(state, checkpoint, use_async=use_async, gather=self.to_full,
-                                     background=background)
+                                     background=background, stream=True)
                 return
             self.saver.save(
                 state,
@@ -151,6 +154,7 @@ class GeminiCheckpointIO(CheckpointIO):
                 gather=self.to_full,
                 background=background,
                 extra_files=hf_config_files(unwrap_model(model)) if self._rank() == 0 else None,
+                stream=True,
             )
         finally:
             gatherer.release()
@@ -301,6 +305,7 @@ class GeminiCheckpointIO(CheckpointIO):
                 use_async=use_async,
                 gather=self.to_full,
                 background=set(tensors) if background_snapshot else (),
+                stream=True,
             )
         finally:
             gatherer.release()

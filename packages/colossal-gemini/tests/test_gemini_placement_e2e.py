@@ -121,6 +121,10 @@ def test_static_fractions_and_prefetch_match_no_offload(rank: int, world_size: i
         assert (host_shards > 0) == ("offload_param_frac" in kw), kw
         assert (host_shards == n) == (kw.get("offload_param_frac") == 1.0), kw
         _same(got, plain, str(kw))
+        # Kept-gathered chunks are never all-gathered and are all-reduced; each sharded one
+        # is all-gathered once in forward, once in backward and reduce-scattered once.
+        sharded = n - kept
+        assert got["counts"] == [(2 * sharded, sharded, kept)] * STEPS, (kw, got["counts"])
 
     # Prefetch: same values, same collectives, and gathers really issued ahead of use.
     ahead = _train(base, rank, spy=True, max_prefetch=2)

@@ -315,7 +315,8 @@ class GeminiOptimizer(OptimizerWrapper):
                     if isinstance(t, torch.Tensor) and t.numel() == v.numel:
                         state[key] = t.to(v.view.device)
         if self._fused_grads:
-            grads = {v.view: g for v in self.master_views if (g := v.grad()) is not None}
+            grads = {v.view: v.grad(g) for v in self.master_views
+                     if (g := v.chunk.grad_shard) is not None}  # type: ignore[attr-defined]
             self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0, grads=grads)
             return
         upcast: dict[int, torch.Tensor] = {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from bench_gpt import GPT, GPTConfig, lm_loss
 from torch import nn
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 CONFIGS = (
     "ddp",
+    "ddp_bf16",
     "fsdp2",
     "fsdp2_bf16",
     "gemini_static_bf16",
@@ -26,7 +28,7 @@ CONFIGS = (
     "gemini_auto_bf16",
 )
 ADAM = {"lr": 1e-4, "weight_decay": 0.01}
-AUTO_RESERVE = 0.15  # auto: device share reserved for non-model data (forces eviction)
+AUTO_RESERVE = 0.25  # auto: device share reserved for non-model data (forces eviction)
 
 
 class TiedHeadGPT(GPT):
@@ -167,19 +169,39 @@ def _gemini(
     return Run(config, model, gemini, GeminiOptimizer(optim, gemini), True)
 
 
-def eviction_limit(config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor) -> int:
-    """The device memory limit of ``config`` (auto): the peak it would reach without eviction.
+def _auto(config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor, reserve: float) -> Run:
+    """The auto configuration under a device memory limit that makes it evict shards.
 
-    One probe step without a limit measures the peak device model data ``P``; the auto
-    configuration then runs with the device limited to ``P`` and a share (``--auto-reserve``,
-    default :data:`AUTO_RESERVE`) of it reserved for non-model data, so model data must stay
-    within ``(1 - share) * P`` at every gather: parameter shards have to be evicted to the
-    host at the busiest moments (the ``shards_on_host`` column shows whether they were), and
-    the limit ``P`` itself (eviction only lowers usage against it) is never exceeded.
+    One probe step without a limit measures the peak device model data ``P``; the run then
+    gets the device limited to ``P`` with a share ``reserve`` of it kept for non-model data,
+    so model data must stay within ``(1 - reserve) * P`` at every gather: parameter shards
+    have to be evicted to the host at the busiest moments (the ``shards_on_host`` column
+    shows whether they were), and ``P`` itself is never exceeded. Eviction happens only
+    before gathers while gradient buffers cannot be evicted, so a share that is too large
+    for the model's chunk layout raises ``DeviceMemoryExceeded`` in the first step: the
+    share is then lowered (every rank alike) until a step completes.
     """
+    from colossal.gemini import DeviceMemoryExceeded
+
     probe = _gemini(config, cfg, chunk_size, None)
     probe.step(data)
-    return probe.module.budget.peak("device")
+    peak = probe.module.budget.peak("device")
+    del probe
+    for share in (reserve, reserve / 2, reserve / 4, 0.0):
+        run = _gemini(config, cfg, chunk_size, peak, share)
+        try:
+            run.step(data)
+            failed = 0.0
+        except DeviceMemoryExceeded as exc:
+            logger.info("auto under %d B with reserve %.3f: %s", peak, share, exc)
+            failed = 1.0
+        flag = torch.tensor([failed])
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        if not flag.item():
+            run.info["auto_reserve"] = share
+            return run
+    raise RuntimeError(f"{config}: no step fits under the no-eviction peak {peak} B")
 
 
 def build(
@@ -197,7 +219,9 @@ def build(
     """
     torch.manual_seed(0)
     model = TiedHeadGPT(cfg)
-    if config == "ddp":
+    if config in ("ddp", "ddp_bf16"):  # ddp_bf16: the same bf16 compute as Gemini, no master
+        if config == "ddp_bf16":
+            model = model.to(torch.bfloat16)
         ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         return Run(config, model, ddp, torch.optim.AdamW(model.parameters(), **ADAM), False)
     if config.startswith("fsdp2"):
@@ -213,8 +237,9 @@ def build(
         fully_shard(model, reshard_after_forward=True, mp_policy=policy)
         return Run(config, model, model, torch.optim.AdamW(model.parameters(), **ADAM), False)
     if config.startswith("gemini"):
-        limit = eviction_limit(config, cfg, chunk_size, data) if "_auto_" in config else None
-        return _gemini(config, cfg, chunk_size, limit, reserve)
+        if "_auto_" in config:
+            return _auto(config, cfg, chunk_size, data, reserve)
+        return _gemini(config, cfg, chunk_size, None)
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
 
 
@@ -226,6 +251,7 @@ def gemini_facts(run: Run) -> dict[str, Any]:
     budget = run.module.budget
     on_host = sum(1 for c in manager.chunks if getattr(c, "shard_location", None) == "host")
     return {
+        "auto_reserve": run.info.get("auto_reserve"),
         "chunks": len(manager.chunks),
         "device_peak": budget.peak("device"),
         "device_limit": budget.capacity,

@@ -81,6 +81,50 @@ def test_packing_kinds_in_one_process() -> None:
         ChunkManager(64, None, max_prefetch=-1)
 
 
+def test_layout_plans_what_register_builds_and_set_plan_places_it() -> None:
+    """``layout`` (no allocation) predicts every chunk ``register`` builds, and a plan given
+    with ``set_plan`` is applied while building (masters and shards born on the host).
+
+    Catches a layout that drifts from the packing rules (a plan applied to the wrong chunks)
+    and chunks built on the device first and moved after (a device peak above the plan).
+    """
+    torch.manual_seed(0)
+    model = Tiny()
+    named = list(model.named_parameters(remove_duplicate=False))
+    probe = ChunkManager(64, None)
+    specs = probe.layout(named, dtype=torch.bfloat16)
+    assert probe.chunks == [] and [s.chunk_id for s in specs] == list(range(len(specs)))
+    budget = DeviceMemoryBudget()
+    manager = ChunkManager(64, None, budget=budget)
+    plan = StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0).plan(specs)
+    manager.set_plan(plan)
+    for name, p in named:
+        manager.register(name, p, dtype=torch.bfloat16)
+    manager.close_all()
+    got = [(c.payload_bytes, c.shard_bytes, c.master_bytes, c.requires_grad)
+           for c in manager.chunks]
+    assert got == [(s.payload_bytes, s.shard_bytes, s.master_bytes, s.requires_grad)
+                   for s in specs]
+    assert all(c.shard_location == "host" for c in manager.chunks)
+    assert all(c.master_location == "host" for c in manager.chunks if c.requires_grad)
+    assert budget.used("device") == 0
+    # Only the chunk being filled (and its trimmed copy) was ever on the device.
+    assert budget.peak("device") <= 2 * max(s.payload_bytes for s in specs)
+    with pytest.raises(RuntimeError, match="already has chunks"):
+        manager.layout(named, dtype=torch.bfloat16)
+    # Boundaries: exact fills, a parameter of exactly the chunk size, one just over it.
+    sizes = [30, 34, 64, 65, 1, 63, 2, 5, 64]
+    params = [(f"p{i}", nn.Parameter(torch.ones(n), requires_grad=i % 4 != 3))
+              for i, n in enumerate(sizes)]
+    specs = ChunkManager(64, None).layout(params, dtype=torch.float16)
+    built = ChunkManager(64, None)
+    for name, p in params:
+        built.register(name, p, dtype=torch.float16)
+    built.close_all()
+    assert [(s.payload_bytes, s.requires_grad) for s in specs] == \
+        [(c.payload_bytes, c.requires_grad) for c in built.chunks]
+
+
 @distributed_test(2)
 def test_access_release_prefetch(rank: int, world_size: int) -> None:
     torch.manual_seed(0)

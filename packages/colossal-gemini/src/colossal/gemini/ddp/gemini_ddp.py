@@ -179,7 +179,9 @@ class GeminiDDP(ModelWrapper):
             self.chunk_manager.register(name, p, dtype=self.compute_dtype, keep_gathered=keep)
         self.chunk_manager.close_all()
         self.chunk_manager.set_plan(None)
-        self.chunk_manager.apply_placement(plan)  # already so; checks the layout matched
+        assert [s.payload_bytes for s in specs] == \
+            [c.payload_bytes for c in self.chunk_manager.chunks], "layout drifted from register"
+        self.chunk_manager.apply_placement(plan)  # already so (a no-op)
         self._cast_buffers(module)
 
         if isinstance(self.placement, AutoPlacement) and memstats is not None:

@@ -324,8 +324,8 @@ class Chunk(ChunkBase):
 
         One reduce-scatter (``keep_gathered``: one all-reduce, then this rank's slice);
         tensors without a gradient on this rank contribute zeros, so every rank joins the
-        same collective. The sum is cast to the gradient dtype (the master dtype, else the
-        chunk dtype) and divided by the group size when ``average``. ``accumulate`` adds it
+        same collective. The sum is cast to the gradient dtype (``grad_dtype``, else the
+        chunk dtype: no cast) and divided by the group size when ``average``. ``accumulate`` adds it
         to an existing gradient shard (gradient accumulation) instead of replacing it. The
         buffer is freed; every tensor goes to ``HOLD`` (``FREE`` when released) as soon as
         the collective is launched.

@@ -52,7 +52,7 @@ _MAX_DEPTH = 8
 _SKIP = object()  # a state of a parameter this rank holds none of
 
 
-def find_gemini_model(model: Any) -> GeminiDDP | None:
+def _gemini_model(model: Any) -> GeminiDDP | None:
     """The ``GeminiDDP`` that ``model`` is or wraps (through ``.module``), else None."""
     for _ in range(_MAX_DEPTH):
         if isinstance(model, GeminiDDP):
@@ -63,7 +63,7 @@ def find_gemini_model(model: Any) -> GeminiDDP | None:
     return None
 
 
-def find_gemini_optimizer(optimizer: Any) -> GeminiOptimizer | None:
+def _gemini_optimizer(optimizer: Any) -> GeminiOptimizer | None:
     """The ``GeminiOptimizer`` that ``optimizer`` is or wraps (through ``.optim``), else None."""
     for _ in range(_MAX_DEPTH):
         if isinstance(optimizer, GeminiOptimizer):
@@ -102,7 +102,7 @@ class GeminiCheckpointIO(CheckpointIO):
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """A Gemini model's parameters as ``ChunkTensor`` (tied ones once) and its buffers."""
-        gemini = find_gemini_model(model)
+        gemini = _gemini_model(model)
         if gemini is None:
             return super().model_state(model)
         return self._gemini_state(gemini, ChunkGatherer())
@@ -125,7 +125,7 @@ class GeminiCheckpointIO(CheckpointIO):
         Raises:
             ValueError: ``use_safetensors=False``.
         """
-        gemini = find_gemini_model(model)
+        gemini = _gemini_model(model)
         if gemini is None:
             super().save_model(model, checkpoint, shard, size_per_shard, use_safetensors,
                                use_async, background_snapshot)
@@ -168,7 +168,7 @@ class GeminiCheckpointIO(CheckpointIO):
         Raises:
             CheckpointError: Missing/unexpected tensors (``strict``) or other shapes.
         """
-        gemini = find_gemini_model(model)
+        gemini = _gemini_model(model)
         if gemini is None:
             super().load_model(model, checkpoint, strict)
             return
@@ -237,7 +237,7 @@ class GeminiCheckpointIO(CheckpointIO):
 
         Collective over the chunks' group (one object all-gather of which states exist).
         """
-        gemini = find_gemini_optimizer(optimizer)
+        gemini = _gemini_optimizer(optimizer)
         if gemini is None:
             return super().optimizer_state(optimizer)
         return self._gemini_optimizer_state(gemini, ChunkGatherer())
@@ -260,7 +260,7 @@ class GeminiCheckpointIO(CheckpointIO):
 
     def optimizer_layout(self, optimizer: OptimizerWrapper) -> dict[int, ShardedTensor]:
         """Gemini: the flat range of each parameter this rank's chunk shards hold."""
-        gemini = find_gemini_optimizer(optimizer)
+        gemini = _gemini_optimizer(optimizer)
         if gemini is None:
             return super().optimizer_layout(optimizer)
         manager = gemini.chunk_manager
@@ -284,7 +284,7 @@ class GeminiCheckpointIO(CheckpointIO):
         The states are written chunk by chunk and, within a chunk, state by state, so each
         ``(chunk, state)`` is gathered once.
         """
-        gemini = find_gemini_optimizer(optimizer)
+        gemini = _gemini_optimizer(optimizer)
         if gemini is None:
             super().save_optimizer(optimizer, checkpoint, shard, size_per_shard, use_async,
                                    background_snapshot)
@@ -318,7 +318,7 @@ class GeminiCheckpointIO(CheckpointIO):
         Raises:
             CheckpointError: Another model's checkpoint (names or shapes differ).
         """
-        gemini = find_gemini_optimizer(optimizer)
+        gemini = _gemini_optimizer(optimizer)
         if gemini is None:
             super().load_optimizer_state(optimizer, meta, reader)
             return

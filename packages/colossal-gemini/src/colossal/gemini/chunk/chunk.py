@@ -383,6 +383,16 @@ class Chunk(ChunkBase):
         if work is not None:
             work.wait()
         assert self._grad_dtype is not None
+        if (scratch is not None and self.grad_shard is None and self._master_loc == "device"
+                and self._grad_dtype == self._dtype):
+            # The reduce-scatter's output already is a device shard of the right dtype (and
+            # is accounted as device bytes): it becomes the gradient shard, no copy.
+            if average:
+                scratch.div_(self._world)
+            self.grad_shard = scratch
+            self._alloc.free(self._grad_buffer, "device")
+            self._grad_buffer = None
+            return
         reduced = summed.to(device=physical_device(self._master_loc), dtype=self._grad_dtype,
                             copy=True)
         self._alloc.free(scratch, "device")

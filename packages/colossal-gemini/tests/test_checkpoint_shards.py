@@ -135,14 +135,21 @@ def test_gathers_stream_chunk_by_chunk_and_loads_read_slices(rank: int, world_si
         assert isinstance(part, FlatRange)
         assert torch.equal(part.real(tensor.local()).cpu(), masters[name].reshape(-1)[
             part.start : part.stop])
-        whole = tensor.gather(dst=None)
+        whole = tensor.gather(dst=None)  # to every rank: all-gathers
         assert torch.equal(whole, masters[name]), name
         del whole
-        to_one = tensor.gather(dst=1)
-        assert (to_one is None) == (rank == 0)
-        del to_one
     assert gatherer.gathers == len(chunks)
     assert gatherer.max_alive == 1
+    for name, tensor in shards.items():  # to the writer only: the others send and hold none
+        to_one = tensor.gather(dst=1)
+        assert (to_one is None) == (rank == 0)
+        if to_one is not None:
+            assert torch.equal(to_one, masters[name]), name
+        del to_one
+    assert gatherer.gathers == 2 * len(chunks)
+    gc.collect()
+    alive = sum(r() is not None for r in gatherer.refs)  # the writer's last chunk only
+    assert gatherer.max_alive == 1 and alive == rank, (gatherer.max_alive, alive)
     payload = max(c.chunk_size for c in chunks) * 4
     assert gatherer.peak_bytes <= payload
 

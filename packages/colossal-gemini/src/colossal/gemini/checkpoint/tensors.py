@@ -91,10 +91,11 @@ class ChunkTensor:
     def gather(self, dst: int | None = None) -> torch.Tensor | None:
         """The whole tensor (CPU) on global rank ``dst`` (every rank when None); collective.
 
-        The first tensor of a chunk gathers the whole chunk; the others slice that buffer.
+        The first tensor of a chunk gathers the whole chunk to ``dst`` (to every rank when
+        None); the others slice that buffer.
         """
-        buf = self.gatherer.buffer(self.chunk, self.state, self._flat_shard)
-        if dst is not None and dst != _this_rank():
+        buf = self.gatherer.buffer(self.chunk, self.state, self._flat_shard, dst)
+        if buf is None or (dst is not None and dst != _this_rank()):
             return None
         return buf[self.info.offset : self.info.end].view(self.shape)
 

@@ -11,6 +11,7 @@ is skipped or never applied fails.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,11 +174,13 @@ def test_matches_single_process(rank: int, world_size: int) -> None:
 
 
 @distributed_test(2)
-def test_lora_trains_only_adapters(rank: int, world_size: int) -> None:
-    """``booster.enable_lora`` + GeminiPlugin: adapters train like the reference, base stays.
+def test_lora_trains_only_adapters(rank: int, world_size: int, tmp_path: Path) -> None:
+    """``booster.enable_lora`` + GeminiPlugin: adapters train like the reference, base stays,
+    and ``save_lora_as_pretrained`` writes the trained adapters.
 
     Catches frozen base weights entering the optimizer (state for them, weight decay moving
-    them) and adapters whose gradients are not averaged over the ranks.
+    them), adapters whose gradients are not averaged over the ranks, and an adapter saved
+    from the parameters' released (empty) storage instead of the chunks.
     """
     peft = pytest.importorskip("peft")
 
@@ -211,6 +214,15 @@ def test_lora_trains_only_adapters(rank: int, world_size: int) -> None:
             assert relative_error(state[name], want) <= TOL["fp32"], name
         else:
             assert torch.equal(state[name], initial[name]), f"base {name} changed"
+    booster.save_lora_as_pretrained(model, str(tmp_path / "adapter"), use_safetensors=True)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+        assert len(saved) == len(adapters)
+        for name in adapters:  # peft drops the adapter name ("default") when saving
+            key = name.replace(".default", "")
+            assert torch.equal(saved[key], state[name]), f"saved {key}"
 
 
 def _plugin(**kwargs: object) -> object:

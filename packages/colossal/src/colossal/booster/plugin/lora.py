@@ -115,21 +115,36 @@ def _full(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def _adapter_state(peft_model: nn.Module) -> dict[str, Any]:
+def _adapter_state(
+    peft_model: nn.Module, state: dict[str, Any] | None = None, full: Any = _full
+) -> dict[str, Any]:
     """The state dict entries ``peft`` saves, as full tensors, under their model names.
 
     ``get_peft_model_state_dict`` chooses (and renames) the entries; they are matched back
-    to their model names by identity so that only they are gathered, in the same order on
-    every rank.
+    to their model names by identity so that only they are gathered (``full``, in the same
+    order on every rank). ``state``: the model's entries when not ``peft_model.state_dict()``.
     """
     peft = _peft()
-    state = peft_model.state_dict()
+    state = peft_model.state_dict() if state is None else state
     chosen = peft.get_peft_model_state_dict(peft_model, state_dict=state)
     by_id = {id(v): k for k, v in state.items()}
     names = [by_id.get(id(v)) for v in chosen.values()]
     if None in names:  # a value peft built itself: gather everything it may read
         names = list(state)
-    return {name: _full(state[name]) for name in names}
+    return {name: full(state[name]) for name in names}
+
+
+def _gemini_io(model: nn.Module, group: Any) -> Any:
+    """Checkpoint IO reading a Gemini model's chunks (None for other models).
+
+    Gemini keeps parameters in chunks and frees released ones (their ``.data`` is empty), so
+    the adapter is read through the chunks' sharded views.
+    """
+    if getattr(model, "chunk_manager", None) is None:
+        return None
+    from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+
+    return GeminiCheckpointIO(group)
 
 
 def save_lora_as_pretrained(
@@ -153,7 +168,11 @@ def save_lora_as_pretrained(
             f"save_lora_as_pretrained: {type(model).__name__} has no LoRA adapter; call "
             "booster.enable_lora(model, lora_config=...) before boost"
         )
-    state = _adapter_state(peft_model)
+    io = _gemini_io(model, group)
+    if io is None:
+        state = _adapter_state(peft_model)
+    else:
+        state = _adapter_state(peft_model, io.model_state(model), lambda v: _full(io.to_full(v)))
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if not distributed or dist.get_rank(group) == 0:
         peft_model.save_pretrained(checkpoint, safe_serialization=use_safetensors, state_dict=state)

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.booster.plugin.base import DPPluginBase, find_module, materialize_model
+from colossal.booster.plugin.base import (
+    DPPluginBase,
+    find_module,
+    materialize_model,
+    warn_if_slow_precision,
+)
 from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 from colossal.booster.plugin.gemini_config import (
     GeminiConfig,
@@ -209,6 +214,7 @@ class GeminiPlugin(DPPluginBase):
         self.device_memory_limit = device_memory_limit
         self.verbose = bool(verbose)
         self._check_device()
+        warn_if_slow_precision("GeminiPlugin", config.precision)
         self._checkpoint_io = GeminiCheckpointIO(group=self.dp_group)
 
     def _check_device(self) -> None:

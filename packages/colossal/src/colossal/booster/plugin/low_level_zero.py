@@ -17,7 +17,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.booster.plugin.base import DPPluginBase, materialize_model
+from colossal.booster.plugin.base import (
+    DPPluginBase,
+    materialize_model,
+    warn_if_slow_precision,
+)
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
@@ -165,6 +169,7 @@ class LowLevelZeroPlugin(DPPluginBase):
             "verbose": verbose,
         }
         self._checkpoint_io = ZeroCheckpointIO(self.dp_group)
+        warn_if_slow_precision("LowLevelZeroPlugin", self.config.precision)
 
     @property
     def stage(self) -> int:

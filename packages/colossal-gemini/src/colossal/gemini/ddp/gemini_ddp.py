@@ -285,11 +285,17 @@ class GeminiDDP(ModelWrapper):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module with floating inputs cast to the compute dtype."""
+        """Run the module with floating inputs cast to the compute dtype.
+
+        A managed parameter may also be used outside the forward of its module (a tied head
+        ``x @ self.wte.weight.t()`` in the root forward): such an operator is gathered for,
+        recorded and replayed in backward like a module call (``ddp/outside.py``).
+        """
         self._runtime.start_forward()
         cast = self._cast_input
         args, kwargs = pytree.tree_map(cast, (args, kwargs))
-        out = self.module(*args, **kwargs)
+        with self._runtime.outside_use():
+            out = self.module(*args, **kwargs)
         if self.force_outputs_fp32:
             out = pytree.tree_map(
                 lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()

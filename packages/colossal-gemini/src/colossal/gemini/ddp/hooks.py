@@ -8,13 +8,16 @@
   backward walk (``order.py``) when the call's backward starts;
 * post-accumulate-grad hook (trainable parameters): copy ``p.grad`` into the chunk's gradient
   buffer, drop ``p.grad``, let the walk launch what became ready; the first one queues the
-  end-of-backward callback.
+  end-of-backward callback;
+* :meth:`ChunkRuntime.outside_use` (the root forward): a managed parameter used outside its
+  module's call is one call of its own (``outside.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from colossal.gemini.chunk import Chunk, ChunkManager, TensorState
 from colossal.gemini.ddp.order import BackwardWalk, ForwardRecord
+from colossal.gemini.ddp.outside import DERIVED, METADATA_GETTERS, OutsideUseMode
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,13 @@ class ChunkRuntime:
         self._callback_queued = False
         self._calls: dict[int, list[int]] = {}  # open call ids per module (re-entrant calls)
         self._handles: list[RemovableHandle] = []
+        # Outside uses (outside.py): id -> TensorInfo (managed params) or DERIVED (views of a
+        # payload made by an outside use, kept alive until the root forward ends).
+        self.watch: dict[int, Any] = {}
+        self.busy = False  # the runtime's own work runs: its operators are not uses
+        self._params: dict[int, tuple[nn.Parameter, Chunk]] = {}
+        self._derived: dict[int, tuple[torch.Tensor, Chunk]] = {}
+        self._pinned: dict[int, Chunk] = {}  # chunks a derived tensor aliases
 
     # ------------------------------------------------------------------ installing
     def install(self, module: nn.Module) -> None:
@@ -93,12 +104,18 @@ class ChunkRuntime:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for chunk in self.manager.chunks:
+            for p, info in chunk.infos.items():
+                self._params[id(p)] = (p, chunk)
+                self.watch[id(p)] = info
 
     def remove(self) -> None:
-        """Remove every hook."""
+        """Remove every hook (outside uses are no longer watched either)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.watch.clear()
+        self._params.clear()
 
     # ------------------------------------------------------------------ forward
     def start_forward(self) -> None:
@@ -111,6 +128,119 @@ class ChunkRuntime:
         self.walk = None
         self.step = 0
         self._used.clear()
+        self._forget_derived()
+
+    @contextlib.contextmanager
+    def outside_use(self) -> Iterator[None]:
+        """The root forward's scope: operators on managed parameters outside their module.
+
+        Inside it, an operator whose argument is a managed parameter not in ``COMPUTE`` (or a
+        view of a payload an earlier such operator made) is one call (:meth:`outside_call`).
+        On exit the chunks those views alias are released.
+        """
+        if not self._params:
+            yield
+            return
+        try:
+            with OutsideUseMode(self):
+                yield
+        finally:
+            self._forget_derived()
+            prev, self.busy = self.busy, True
+            try:
+                self._maybe_release(list(self._pinned.values()), require_used=False)
+            finally:
+                self.busy = prev
+                self._pinned.clear()
+
+    def _forget_derived(self) -> None:
+        for key in self._derived:
+            self.watch.pop(key, None)
+        self._derived.clear()
+
+    def outside_call(self, func: Callable[..., Any], args: Sequence[Any],
+                     kwargs: dict[str, Any]) -> Any:
+        """Run one operator that uses managed parameters outside their module, as a call.
+
+        Gather the chunks of the parameters (and of the derived views) it reads, record the
+        call, ``COMPUTE``, run, ``HOLD``; a multi-grad hook on its outputs lets the backward
+        walk gather them again before the operator's backward. Outputs aliasing a payload
+        become derived views and pin their chunk until the root forward ends.
+        """
+        if func in METADATA_GETTERS:
+            return func(*args, **kwargs)
+        params: list[nn.Parameter] = []
+        chunks: list[Chunk] = []
+        for leaf in pytree.tree_leaves((list(args), kwargs)):
+            hit = self._params.get(id(leaf))
+            if hit is not None:
+                if self.watch[id(leaf)].state is not TensorState.COMPUTE:
+                    params.append(hit[0])
+                    chunks.append(hit[1])
+                continue
+            derived = self._derived.get(id(leaf))
+            if derived is not None:
+                chunks.append(derived[1])
+        chunks = _unique(chunks)
+        prev, self.busy = self.busy, True
+        try:
+            self._gather(chunks)
+            call = self.record.new_call(chunks)
+            for p in params:
+                self.manager.chunk_of(p).set_state(p, TensorState.COMPUTE)
+        finally:
+            self.busy = prev
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            prev, self.busy = self.busy, True
+            try:
+                for p in params:
+                    self.manager.chunk_of(p).set_state(p, TensorState.HOLD)
+                    self._used.add(id(p))
+            finally:
+                self.busy = prev
+        prev, self.busy = self.busy, True
+        try:
+            self._after_outside_call(call, chunks, out)
+        finally:
+            self.busy = prev
+        return out
+
+    def _after_outside_call(self, call: int, chunks: list[Chunk], out: Any) -> None:
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        storages = {c.payload.untyped_storage().data_ptr(): c for c in chunks
+                    if c.payload is not None and not c.keep_gathered}
+        for t in tensors:
+            if id(t) in self._params or id(t) in self._derived:
+                continue
+            chunk = storages.get(t.untyped_storage().data_ptr()) if storages else None
+            if chunk is not None:
+                self._derived[id(t)] = (t, chunk)
+                self.watch[id(t)] = DERIVED
+                self._pinned[chunk.chunk_id] = chunk
+        self._maybe_release(chunks)
+        outs = [t for t in tensors if t.requires_grad and t.grad_fn is not None]
+        if outs and torch.is_grad_enabled():
+            register_multi_grad_hook(outs, self._pre_backward(call, count_step=False),
+                                     mode="any")
+        else:
+            self.record.drop_call(call)
+
+    def _maybe_release(self, chunks: list[Chunk], *, require_used: bool = True) -> None:
+        """Release each sharded chunk that is idle (every tensor ``HOLD``) and done with.
+
+        Done with: every tensor used in this forward (``require_used``) and no derived view
+        aliases the payload (pinned until the root forward ends).
+        """
+        for chunk in chunks:
+            if chunk.keep_gathered or not chunk.is_gathered:
+                continue
+            if require_used and (chunk.chunk_id in self._pinned
+                                 or not all(id(p) in self._used for p in chunk.params)):
+                continue
+            if all(i.state is TensorState.HOLD for i in chunk.infos.values()):
+                self.manager.release(chunk)
 
     def _gather(self, chunks: list[Chunk]) -> None:
         if self.walk is not None:
@@ -125,39 +255,41 @@ class ChunkRuntime:
 
     def _pre_forward(self, params: list[nn.Parameter]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            chunks = _unique([self.manager.chunk_of(p) for p in params])
-            self._gather(chunks)
-            self.step += 1
-            position = len(self.record.entries)
-            self._calls.setdefault(id(module), []).append(self.record.new_call(chunks))
-            for p in params:
-                self.manager.chunk_of(p).set_state(p, TensorState.COMPUTE)
-            ahead = self.previous[position + len(chunks) :]
-            if ahead and self.manager.max_prefetch:
-                self.manager.prefetch(ahead)
+            prev, self.busy = self.busy, True
+            try:
+                chunks = _unique([self.manager.chunk_of(p) for p in params])
+                self._gather(chunks)
+                self.step += 1
+                position = len(self.record.entries)
+                self._calls.setdefault(id(module), []).append(self.record.new_call(chunks))
+                for p in params:
+                    self.manager.chunk_of(p).set_state(p, TensorState.COMPUTE)
+                ahead = self.previous[position + len(chunks) :]
+                if ahead and self.manager.max_prefetch:
+                    self.manager.prefetch(ahead)
+            finally:
+                self.busy = prev
 
         return hook
 
     def _post_forward(self, params: list[nn.Parameter]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            call = self._calls[id(module)].pop()
-            chunks = _unique([self.manager.chunk_of(p) for p in params])
-            for p in params:
-                self.manager.chunk_of(p).set_state(p, TensorState.HOLD)
-                self._used.add(id(p))
-            for chunk in chunks:
-                if chunk.keep_gathered or not chunk.is_gathered:
-                    continue
-                if all(id(p) in self._used for p in chunk.params) and all(
-                    i.state is TensorState.HOLD for i in chunk.infos.values()
-                ):
-                    self.manager.release(chunk)
-            outs = [t for t in pytree.tree_leaves(output)
-                    if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and torch.is_grad_enabled():
-                register_multi_grad_hook(outs, self._pre_backward(call), mode="any")
-            else:
-                self.record.drop_call(call)
+            prev, self.busy = self.busy, True
+            try:
+                call = self._calls[id(module)].pop()
+                chunks = _unique([self.manager.chunk_of(p) for p in params])
+                for p in params:
+                    self.manager.chunk_of(p).set_state(p, TensorState.HOLD)
+                    self._used.add(id(p))
+                self._maybe_release(chunks)
+                outs = [t for t in pytree.tree_leaves(output)
+                        if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outs and torch.is_grad_enabled():
+                    register_multi_grad_hook(outs, self._pre_backward(call), mode="any")
+                else:
+                    self.record.drop_call(call)
+            finally:
+                self.busy = prev
             return None
 
         return hook
@@ -197,10 +329,12 @@ class ChunkRuntime:
         accumulate = self.accumulate and chunk.grad_shard is not None
         return chunk.reduce(accumulate=accumulate, group=self.reduce_group, async_op=True)
 
-    def _pre_backward(self, call: int) -> Callable[..., None]:
+    def _pre_backward(self, call: int, *, count_step: bool = True) -> Callable[..., None]:
+        """Before ``call``'s backward: advance the walk (outside uses are no module step)."""
         def hook(grads: Any) -> None:
             walk = self._ensure_walk()
-            self.step += 1
+            if count_step:
+                self.step += 1
             walk.reached(call)
 
         return hook

@@ -45,9 +45,14 @@ from colossal.checkpoint_io.index import (
     file_crc32,
     plan_shards,
 )
+from colossal.checkpoint_io.inplace import (
+    file_layout,
+    save_in_place,
+    stream_order,
+    supports_in_place,
+)
 from colossal.core.comm import all_gather_object, barrier
-from colossal.core.io import AsyncTensorWriter, TensorInfo, WriteHandle
-from colossal.core.io.safetensors_format import encode_header
+from colossal.core.io import AsyncTensorWriter, WriteHandle
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,7 @@ class ShardedSaver:
         background: Collection[str] = (),
         extra_files: Mapping[str, str] | None = None,
         stream: bool = False,
+        in_place: bool = False,
     ) -> None:
         """Save ``tensors`` (the same names on every rank) as a sharded directory ``path``.
 
@@ -112,7 +118,10 @@ class ShardedSaver:
         the directory, committed together with the tensors. With ``stream`` (and not
         ``use_async``) each file is written tensor by tensor as they are gathered, in the
         order of ``tensors`` within each element size, and no gathered tensor is kept after
-        it is written (see the module docstring).
+        it is written (see the module docstring). With ``in_place`` (and not ``use_async``),
+        when every value is a tensor or holds a ``FlatRange`` part, nothing is gathered:
+        every rank writes its own parts into the files (:mod:`.inplace`; the same bytes as
+        ``stream``).
         """
         gather = gather or _identity
         key = staging_directory(os.path.abspath(path), prefix)
@@ -136,6 +145,21 @@ class ShardedSaver:
         if clash:
             raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
+        index = {
+            "metadata": {
+                "format": "colossal",
+                "format_version": FORMAT_VERSION,
+                "total_size": sum(s for _, s in sizes),
+                "files": {},
+            },
+            "weight_map": weight_map,
+            **(dict(extra) if extra else {}),
+        }
+        texts = dict(extra_files) if rank == 0 and extra_files else {}
+        if in_place and not use_async and supports_in_place(tensors):
+            save_in_place(tensors, path, files, shards, index, index_name, prefix, texts,
+                          self._assign, self.group)
+            return
         handles: list[tuple[str, Any, dict[str, torch.Tensor] | None]] = []
         nbytes = dict(sizes)
         writers = self._assign([sum(nbytes[n] for n in names) for names in shards], world)
@@ -151,17 +175,6 @@ class ShardedSaver:
             )
             if handle is not None:  # sync saves checksum the tensors in memory, not a re-read
                 handles.append((file, handle, None if use_async else part))
-        index = {
-            "metadata": {
-                "format": "colossal",
-                "format_version": FORMAT_VERSION,
-                "total_size": sum(s for _, s in sizes),
-                "files": {},
-            },
-            "weight_map": weight_map,
-            **(dict(extra) if extra else {}),
-        }
-        texts = dict(extra_files) if rank == 0 and extra_files else {}
         job = _Finalize(path, staging, prefix, index_name, index, handles, rank, world, texts)
         if use_async:
             future = self._executor.submit(job)
@@ -468,8 +481,7 @@ def _stream_part(
     The order is by decreasing element size (every tensor aligned to its element size), then
     the plan's order: the same on every rank, and chunk by chunk for chunked tensors.
     """
-    order = sorted(range(len(names)), key=lambda i: (-tensors[names[i]].dtype.itemsize, i))
-    ordered = [names[i] for i in order]
+    ordered = stream_order(tensors, names)
     stream = _StreamFile(target, [(n, tensors[n].shape, tensors[n].dtype) for n in ordered]) \
         if writer == rank else None
     try:
@@ -498,13 +510,7 @@ class _StreamFile:
     """
 
     def __init__(self, target: str, entries: list[tuple[str, Any, torch.dtype]]) -> None:
-        infos, offset = [], 0
-        for name, shape, dtype in entries:
-            shape = tuple(int(d) for d in shape)
-            nbytes = math.prod(shape) * dtype.itemsize
-            infos.append(TensorInfo(name, dtype, shape, offset, offset + nbytes))
-            offset += nbytes
-        header = encode_header(infos, {"format": "pt"})
+        header, infos = file_layout(entries)
         self.target, self._infos, self._next = target, infos, 0
         directory = os.path.dirname(os.path.abspath(target))
         name = os.path.basename(target)[:200]

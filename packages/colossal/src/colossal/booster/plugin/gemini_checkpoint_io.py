@@ -2,9 +2,11 @@
 
 Gemini keeps each parameter as a flat range of a chunk sharded over the data-parallel group.
 Its parameters and optimizer states reach the writer as :class:`colossal.core.ShardedTensor`
-(``colossal.gemini.ChunkTensor`` / ``ChunkStateTensor``), ordered chunk by chunk, so a save
-gathers each chunk (and each optimizer state of it) once, spreads the files over the ranks
-and holds about one chunk of extra memory per rank. Loading reads only each rank's flat range
+(``colossal.gemini.ChunkTensor`` / ``ChunkStateTensor``), ordered chunk by chunk. A sync
+save gathers nothing: each rank writes the bytes of its flat ranges in place into the files
+(:mod:`colossal.checkpoint_io.inplace`). An async save gathers each chunk (and each
+optimizer state of it) once, spreads the files over the ranks and holds about one chunk of
+extra memory per rank. Loading reads only each rank's flat range
 of every tensor and writes it into the fp32 masters, the low-precision shards and the
 kept-gathered payloads. The files are the same as every other plugin's: a Gemini checkpoint
 loads under DDP, FSDP2 or ZeRO at any world size, and theirs load here.
@@ -33,6 +35,7 @@ from colossal.checkpoint_io.optimizer_fit import param_shapes_entry
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import FlatRange, OptimizerWrapper, ShardedTensor
+from colossal.core.comm import group_ranks
 from colossal.gemini import (
     ChunkGatherer,
     ChunkTensor,
@@ -90,6 +93,17 @@ class GeminiCheckpointIO(CheckpointIO):
     def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
         super().__init__(group, verify_checksums)
 
+    def _in_place(self, manager: Any) -> bool:
+        """Whether a sync save may write in place: the chunks are sharded over our group.
+
+        Every rank then writes the flat ranges its chunk shards hold, and nothing is gathered
+        (:mod:`colossal.checkpoint_io.inplace`). Other groups (a chunk group smaller than the
+        writing group holds its ranges on several ranks) stream through gathers.
+        """
+        if not dist.is_initialized():
+            return True
+        return list(group_ranks(manager.group)) == list(group_ranks(self.group))
+
     # ---- model -----------------------------------------------------------------------------
     def _gemini_state(self, gemini: GeminiDDP, gatherer: ChunkGatherer) -> dict[str, Any]:
         """Managed parameters chunk by chunk (each once), then the persistent buffers."""
@@ -117,10 +131,14 @@ class GeminiCheckpointIO(CheckpointIO):
         use_async: bool = False,
         background_snapshot: bool = False,
     ) -> None:
-        """As :meth:`CheckpointIO.save_model`; a Gemini model is streamed chunk by chunk.
+        """As :meth:`CheckpointIO.save_model`; a Gemini model is written without gathers.
 
-        A sync save writes each file tensor by tensor as the chunks are gathered, so the
-        extra memory per rank stays about one chunk whatever ``size_per_shard`` is.
+        A sync save into a directory writes in place: every rank writes the flat ranges of
+        the parameters its chunk shards hold (fp32 masters, or the chunk-dtype shards) and
+        its share of the buffers straight into the files, nothing is gathered
+        (:mod:`colossal.checkpoint_io.inplace`). An async save, or a single ``.safetensors``
+        file, streams chunk by chunk through gathers (about one chunk of extra memory per
+        rank whatever ``size_per_shard`` is).
 
         Raises:
             ValueError: ``use_safetensors=False``.
@@ -155,6 +173,7 @@ class GeminiCheckpointIO(CheckpointIO):
                 background=background,
                 extra_files=hf_config_files(unwrap_model(model)) if self._rank() == 0 else None,
                 stream=True,
+                in_place=self._in_place(gemini.chunk_manager),
             )
         finally:
             gatherer.release()
@@ -279,10 +298,11 @@ class GeminiCheckpointIO(CheckpointIO):
         use_async: bool = False,
         background_snapshot: bool = False,
     ) -> None:
-        """As :meth:`CheckpointIO.save_optimizer`; Gemini's states stream chunk by chunk.
+        """As :meth:`CheckpointIO.save_optimizer`; Gemini's states are written in place.
 
-        The states are written chunk by chunk and, within a chunk, state by state, so each
-        ``(chunk, state)`` is gathered once.
+        A sync save: every rank writes its pieces of each elementwise state (and its share of
+        the step counts) into the files, nothing is gathered. An async save streams chunk by
+        chunk and, within a chunk, state by state, so each ``(chunk, state)`` is gathered once.
         """
         gemini = _gemini_optimizer(optimizer)
         if gemini is None:
@@ -306,6 +326,7 @@ class GeminiCheckpointIO(CheckpointIO):
                 gather=self.to_full,
                 background=set(tensors) if background_snapshot else (),
                 stream=True,
+                in_place=self._in_place(gemini.chunk_manager),
             )
         finally:
             gatherer.release()

@@ -1,0 +1,428 @@
+"""Save sharded state where it lies: every rank writes its own bytes into the shared files.
+
+A rank that holds a :class:`colossal.core.FlatRange` of a tensor (Gemini's chunk shards,
+ZeRO's flat partitions) holds a contiguous byte range of that tensor's data in a safetensors
+file. A save therefore needs no gather at all:
+
+1. Every rank lays out the same files from names, shapes and dtypes (:func:`file_layout`, the
+   order of a streamed save: by decreasing element size, then the plan's order).
+2. Rank 0 creates each file under a hidden temporary name (``.<file>.<token>.tmp``, which the
+   commit of the next save removes if this one dies), writes its header and sets its full
+   size; one object all-gather shares the token (and any error).
+3. Every rank writes (``os.pwrite``) each part it holds at its offset (CPU tensors from
+   memory, device tensors copied to the CPU :data:`PIECE_BYTES` at a time), checksums it
+   and fsyncs. A
+   tensor every rank holds whole (a buffer, a step count) is written by one rank, chosen
+   by the caller's spreading rule (the same on every rank).
+4. ONE object all-gather collects every rank's pieces ``(file, offset, length, crc)``. Rank 0
+   checks that they tile each file exactly (:func:`check_tiling`), combines their CRC-32s in
+   offset order (:func:`crc32_combine`), renames the files to their final names, fsyncs the
+   directory and commits the index (:func:`colossal.checkpoint_io.commit.commit_index`). A
+   last all-gather tells every rank whether the commit succeeded.
+
+The files are byte-identical to those of a streamed save of the same tensors. Until the
+commit the previous checkpoint's index and files are untouched: a save killed at any point
+leaves it loadable, and only temporary files and the staging folder behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import uuid
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal.checkpoint_io import durable
+from colossal.checkpoint_io.commit import commit_index
+from colossal.checkpoint_io.index import CheckpointError
+from colossal.core import Block, FlatRange
+from colossal.core.comm import all_gather_object
+from colossal.core.io import TensorInfo
+from colossal.core.io.safetensors_format import encode_header
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Piece",
+    "check_tiling",
+    "combine_pieces",
+    "crc32_combine",
+    "file_layout",
+    "local_part",
+    "save_in_place",
+    "stream_order",
+    "supports_in_place",
+]
+
+PIECE_BYTES = 64 * 1024 * 1024
+"""A device tensor's part is copied to the CPU and written this many bytes at a time."""
+
+_POLY = 0xEDB88320  # CRC-32 (reflected)
+
+
+# ---- CRC-32 combine -------------------------------------------------------------------------
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial (reflected bit order: bit 31 is x^0)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    """``x^(2^k)`` modulo the polynomial for k = 0..31."""
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len(B)``.
+
+    zlib's ``crc32_combine``: ``crc1`` shifted by ``8 * len2`` zero bits is ``crc1`` times
+    ``x^(8 len2)`` in GF(2)[x] modulo the CRC polynomial, found with O(log len2)
+    multiplications by the precomputed ``x^(2^k)``.
+
+    Raises:
+        ValueError: ``len2`` is negative.
+    """
+    if len2 < 0:
+        raise ValueError(f"len2 must be >= 0, got {len2}")
+    p, k, n = 1 << 31, 3, len2  # x^0; the length is in bytes: 2^3 bits
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+# ---- layout ---------------------------------------------------------------------------------
+def stream_order(tensors: Mapping[str, Any], names: Sequence[str]) -> list[str]:
+    """``names`` in file order: by decreasing element size, then in the given order."""
+    order = sorted(range(len(names)), key=lambda i: (-tensors[names[i]].dtype.itemsize, i))
+    return [names[i] for i in order]
+
+
+def file_layout(entries: Sequence[tuple[str, Any, torch.dtype]]) -> tuple[bytes, list[TensorInfo]]:
+    """The header bytes (length prefix included) and the infos of ``(name, shape, dtype)``.
+
+    The tensors follow each other in the given order, without gaps.
+    """
+    infos, offset = [], 0
+    for name, shape, dtype in entries:
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        infos.append(TensorInfo(name, dtype, shape, offset, offset + nbytes))
+        offset += nbytes
+    return encode_header(infos, {"format": "pt"}), infos
+
+
+# ---- local parts ----------------------------------------------------------------------------
+def local_part(value: Any) -> tuple[FlatRange, torch.Tensor, bool] | None:
+    """``(part, its elements 1-D, replicated)`` of a value, None when it cannot be written so.
+
+    A ``torch.Tensor`` (or a sharded tensor whose part is the whole tensor as a ``Block``) is
+    held whole by every rank (``replicated``); a sharded tensor whose ``part`` is a
+    :class:`FlatRange` gives that range of its flattened elements.
+    """
+    if isinstance(value, torch.Tensor):
+        return FlatRange(0, value.numel()), value.detach().reshape(-1), True
+    part = getattr(value, "part", None)
+    if isinstance(part, Block) and part.is_whole(value.shape):
+        local = value.local().detach()
+        return FlatRange(0, local.numel()), local.reshape(-1), True
+    if isinstance(part, FlatRange):
+        return part, part.real(value.local().detach()) if part.numel else _EMPTY, False
+    return None
+
+
+_EMPTY = torch.empty(0)
+
+
+def supports_in_place(tensors: Mapping[str, Any]) -> bool:
+    """Whether every value is a tensor, a whole ``Block`` part or a ``FlatRange`` part."""
+    for value in tensors.values():
+        part = value if isinstance(value, torch.Tensor) else getattr(value, "part", None)
+        if not isinstance(part, torch.Tensor | FlatRange) and not (
+            isinstance(part, Block) and part.is_whole(value.shape)
+        ):
+            return False
+    return True
+
+
+# ---- pieces ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[offset, offset + length)`` of ``file`` written by one rank, with their CRC-32."""
+
+    file: str
+    offset: int
+    length: int
+    crc32: int
+
+
+def check_tiling(pieces: Sequence[Piece], sizes: Mapping[str, int]) -> None:
+    """Raise unless the pieces of each file cover its ``sizes[file]`` bytes exactly once.
+
+    Raises:
+        CheckpointError: A gap, an overlap, bytes past the end, or a piece of an unknown file
+            (named, with the byte range).
+    """
+    by_file: dict[str, list[Piece]] = {f: [] for f in sizes}
+    for piece in pieces:
+        if piece.file not in by_file:
+            raise CheckpointError(f"a rank wrote {piece} of {piece.file!r}, not a planned file")
+        by_file[piece.file].append(piece)
+    for file, size in sizes.items():
+        at = 0
+        for piece in sorted(by_file[file], key=lambda p: p.offset):
+            if piece.offset > at:
+                raise CheckpointError(
+                    f"{file}: bytes [{at}, {piece.offset}) were written by no rank (a gap); "
+                    "a rank's part of a tensor is missing from the save"
+                )
+            if piece.offset < at:
+                raise CheckpointError(
+                    f"{file}: bytes [{piece.offset}, {at}) were written twice (an overlap); "
+                    "two ranks claim the same elements of a tensor"
+                )
+            at = piece.offset + piece.length
+        if at != size:
+            raise CheckpointError(
+                f"{file}: bytes [{min(at, size)}, {max(at, size)}) "
+                + ("were written by no rank (a gap at the end)" if at < size
+                   else "lie past the end of the file")
+            )
+
+
+def combine_pieces(pieces: Sequence[Piece]) -> str:
+    """The CRC-32 (8 hex digits) of a file tiled by ``pieces`` (any order)."""
+    crc = 0
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        crc = crc32_combine(crc, piece.crc32, piece.length)
+    return f"{crc:08x}"
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (keep the tensor alive)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _write_part(fd: int, data: torch.Tensor, offset: int) -> int:
+    """Write ``data`` (1-D) at ``offset``, piece by piece for a device tensor; its CRC-32."""
+    crc, step = 0, max(1, PIECE_BYTES // max(1, data.element_size()))
+    for begin in range(0, data.numel(), step):
+        piece = data[begin : begin + step]
+        if piece.device.type != "cpu" or not piece.is_contiguous():
+            piece = piece.to("cpu").contiguous()
+        view = _bytes_of(piece)
+        crc = zlib.crc32(view, crc)
+        _pwrite_all(fd, view, offset)
+        offset += len(view)
+        del view, piece
+    return crc
+
+
+# ---- the save -------------------------------------------------------------------------------
+def _temp_name(file: str, token: str) -> str:
+    return f".{file[:200]}.{token}.tmp"
+
+
+def _create(path: str, layouts: Mapping[str, tuple[bytes, int]], token: str) -> None:
+    for file, (header, size) in layouts.items():
+        with open(os.path.join(path, _temp_name(file, token)), "wb") as handle:
+            handle.write(header)
+            handle.truncate(size)
+
+
+def _remove_temps(path: str, files: Sequence[str], token: str) -> None:
+    for file in files:
+        try:
+            os.remove(os.path.join(path, _temp_name(file, token)))
+        except FileNotFoundError:
+            pass
+
+
+def _agree(value: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
+    return all_gather_object(value, group) if world > 1 else [value]
+
+
+def _write_own(
+    path: str,
+    tensors: Mapping[str, Any],
+    plan: Sequence[tuple[str, int, list[TensorInfo]]],
+    token: str,
+    writers: Mapping[str, int],
+    rank: int,
+) -> list[Piece]:
+    """Write this rank's parts into the temporary files, fsync; the pieces (coalesced)."""
+    pieces: list[Piece] = []
+    for file, data_start, infos in plan:
+        fd = None
+        try:
+            for info in infos:
+                found = local_part(tensors[info.name])
+                if found is None:
+                    raise CheckpointError(f"{info.name!r} is not a tensor or a FlatRange part")
+                part, data, replicated = found
+                if part.numel == 0 or (replicated and writers[info.name] != rank):
+                    continue
+                if data.dtype != info.dtype or data.numel() != part.numel:
+                    raise CheckpointError(
+                        f"{info.name!r}: this rank's part {part} has {data.numel()} elements of "
+                        f"{data.dtype}, the checkpoint declares {info.dtype}; a sharded tensor "
+                        "whose local() disagrees with its dtype or part"
+                    )
+                part.check(info.shape)
+                if fd is None:
+                    fd = os.open(os.path.join(path, _temp_name(file, token)), os.O_WRONLY)
+                offset = data_start + info.begin + part.start * info.dtype.itemsize
+                crc = _write_part(fd, data, offset)
+                piece = Piece(file, offset, part.numel * info.dtype.itemsize, crc)
+                last = pieces[-1] if pieces else None
+                if last is not None and last.file == file and last.offset + last.length == offset:
+                    piece = Piece(file, last.offset, last.length + piece.length,
+                                  crc32_combine(last.crc32, crc, piece.length))
+                    pieces[-1] = piece
+                else:
+                    pieces.append(piece)
+            if fd is not None:
+                os.fsync(fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return pieces
+
+
+def save_in_place(
+    tensors: Mapping[str, Any],
+    path: str,
+    files: Sequence[str],
+    shards: Sequence[Sequence[str]],
+    index: dict[str, Any],
+    index_name: str,
+    prefix: str,
+    texts: Mapping[str, str] | None,
+    assign: Callable[[list[int], int], list[int]],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write ``shards`` (names per file) into ``files`` in ``path`` in place and commit.
+
+    Collective over ``group``. ``path`` is prepared (a fresh staging folder, ``files`` not
+    referenced by the committed index) as :class:`colossal.checkpoint_io.saver.ShardedSaver`
+    does; ``index`` is the new index without ``metadata.files``, which this fills in.
+    ``assign(sizes, world)`` picks the writing rank of each replicated tensor (the same
+    answer on every rank).
+
+    Raises:
+        CheckpointError: On every rank, when a rank failed or the pieces do not tile the files.
+        OSError: On every rank, when rank 0 could not create or commit the files.
+    """
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) \
+        if dist.is_initialized() else (0, 1)
+    plan: list[tuple[str, int, list[TensorInfo]]] = []
+    layouts: dict[str, tuple[bytes, int]] = {}
+    for file, names in zip(files, shards, strict=True):
+        ordered = stream_order(tensors, list(names))
+        header, infos = file_layout([(n, tensors[n].shape, tensors[n].dtype) for n in ordered])
+        plan.append((file, len(header), infos))
+        layouts[file] = (header, len(header) + (infos[-1].end if infos else 0))
+    replicated = [n for names in shards for n in names
+                  if isinstance(tensors[n], torch.Tensor) or not isinstance(
+                      getattr(tensors[n], "part", None), FlatRange)]
+    sizes = [math.prod(tensors[n].shape) * tensors[n].dtype.itemsize for n in replicated]
+    writers = dict(zip(replicated, assign(sizes, world), strict=True))
+
+    # 1. rank 0 creates the files at full size; everyone learns the token (or the error)
+    token: Any = uuid.uuid4().hex[:12]
+    if rank == 0:
+        try:
+            _create(path, layouts, token)
+        except OSError as err:
+            _remove_temps(path, files, token)
+            token = err
+    token = _agree(token, group, world)[0]
+    if isinstance(token, BaseException):
+        raise token
+    # 2. every rank writes its own parts; 3. one all-gather of the pieces
+    mine: Any
+    try:
+        mine = _write_own(path, tensors, plan, token, writers, rank)
+    except Exception as err:  # noqa: BLE001 - every rank raises it below
+        mine = err
+    results = _agree(mine, group, world)
+    # 4. rank 0 checks, combines, renames and commits; the others learn the outcome
+    outcome: BaseException | None = None
+    if rank == 0:
+        try:
+            outcome = next((_failed(r, e) for r, e in enumerate(results)
+                            if isinstance(e, BaseException)), None)
+            if outcome is None:
+                _commit(path, files, layouts, results, token, index, index_name, prefix, texts)
+        except Exception as err:  # noqa: BLE001 - every rank raises it below
+            outcome = err
+        if outcome is not None:
+            _remove_temps(path, files, token)
+    outcome = _agree(outcome, group, world)[0]
+    if isinstance(mine, BaseException):
+        raise mine
+    if outcome is not None:
+        raise outcome
+
+
+def _failed(rank: int, error: BaseException) -> CheckpointError:
+    return CheckpointError(f"rank {rank} failed to write its part of the checkpoint: {error!r}")
+
+
+def _commit(
+    path: str,
+    files: Sequence[str],
+    layouts: Mapping[str, tuple[bytes, int]],
+    results: Sequence[list[Piece]],
+    token: str,
+    index: dict[str, Any],
+    index_name: str,
+    prefix: str,
+    texts: Mapping[str, str] | None,
+) -> None:
+    """Rank 0: check the tiling, combine the CRCs, give the files their names, commit."""
+    by_file: dict[str, list[Piece]] = {
+        f: [Piece(f, 0, len(header), zlib.crc32(header))] for f, (header, _) in layouts.items()
+    }
+    for piece in (p for pieces in results for p in pieces):
+        by_file.setdefault(piece.file, []).append(piece)
+    check_tiling([p for pieces in by_file.values() for p in pieces],
+                 {f: size for f, (_, size) in layouts.items()})
+    meta = {f: {"size": layouts[f][1], "crc32": combine_pieces(by_file[f])} for f in files}
+    for file in files:
+        os.replace(os.path.join(path, _temp_name(file, token)), os.path.join(path, file))
+    durable.fsync_directory(path)
+    index["metadata"]["files"] = dict(sorted(meta.items()))
+    commit_index(path, index_name, index, prefix, texts)
+    logger.info("%s checkpoint saved in place to %s", prefix, path)

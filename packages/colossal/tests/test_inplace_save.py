@@ -1,0 +1,210 @@
+"""In-place saves: every rank writes its own FlatRange bytes, no gather, same files.
+
+Reference values come from zlib (CRC-32 of concatenations) and from the streamed save of the
+same Gemini model and optimizer (byte-for-byte), never from the in-place code itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import zlib
+from typing import Any
+
+import pytest
+import torch
+from booster_testlib import local_batch, make_model, make_optimizer
+from torch import nn
+
+from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+from colossal.checkpoint_io import CheckpointError, inplace
+from colossal.checkpoint_io.inplace import Piece, check_tiling, combine_pieces, crc32_combine
+from colossal.core.testing import spawn
+from colossal.gemini import ChunkGatherer, GeminiDDP, GeminiOptimizer
+
+SHARD_MB = 0.0005  # ~500-byte files: many files, tensors of a chunk over several of them
+CHUNK = {"chunk_size": 64}  # parameters straddle the ranks' shards
+
+
+# ---- CRC-32 combine (catches: a shift in bits instead of bytes, a wrong x^(2^k) table,
+# ---- the order of the operands, a mishandled empty or odd-length tail) -----------------------
+def test_crc32_combine_matches_zlib_of_the_concatenation() -> None:
+    rng = random.Random(7)
+    lengths = [0, 1, 2, 3, 7, 8, 31, 255, 1000, 4097, 65537]
+    for la in lengths:
+        for lb in lengths:
+            a, b = rng.randbytes(la), rng.randbytes(lb)
+            got = crc32_combine(zlib.crc32(a), zlib.crc32(b), lb)
+            assert got == zlib.crc32(a + b), (la, lb)
+    big = bytes(3_000_001)  # a long run of zeros: many doublings
+    assert crc32_combine(zlib.crc32(b"xyz"), zlib.crc32(big), len(big)) == zlib.crc32(b"xyz" + big)
+    with pytest.raises(ValueError, match="len2"):
+        crc32_combine(0, 0, -1)
+
+
+def test_combined_pieces_give_the_file_crc_in_any_order() -> None:
+    data = random.Random(3).randbytes(1001)
+    cuts = [0, 8, 9, 500, 777, 1001]
+    pieces = [Piece("f", a, b - a, zlib.crc32(data[a:b])) for a, b in itertools.pairwise(cuts)]
+    assert combine_pieces(pieces[::-1]) == f"{zlib.crc32(data):08x}"
+
+
+# ---- tiling (catches: a rank's part silently missing, two ranks writing the same bytes) --------
+def test_tiling_check_names_the_file_and_the_gap() -> None:
+    whole = [Piece("a", 0, 10, 0), Piece("a", 10, 5, 0), Piece("b", 0, 4, 0)]
+    check_tiling(whole, {"a": 15, "b": 4})
+    with pytest.raises(CheckpointError, match=r"a: bytes \[10, 12\) were written by no rank"):
+        check_tiling([Piece("a", 0, 10, 0), Piece("a", 12, 3, 0)], {"a": 15})
+    with pytest.raises(CheckpointError, match=r"a: bytes \[8, 10\) were written twice"):
+        check_tiling([Piece("a", 0, 10, 0), Piece("a", 8, 7, 0)], {"a": 15})
+    with pytest.raises(CheckpointError, match=r"a: bytes \[10, 15\) were written by no rank"):
+        check_tiling([Piece("a", 0, 10, 0)], {"a": 15})
+    with pytest.raises(CheckpointError, match=r"b: bytes \[0, 4\) were written by no rank"):
+        check_tiling([Piece("a", 0, 15, 0)], {"a": 15, "b": 4})
+    with pytest.raises(CheckpointError, match="past the end"):
+        check_tiling([Piece("a", 0, 16, 0)], {"a": 15})
+
+
+# ---- Gemini at world 2 ----------------------------------------------------------------------
+def _gemini(seed: int = 1234) -> tuple[GeminiDDP, GeminiOptimizer]:
+    model = make_model(seed)
+    gemini = GeminiDDP(model, precision="bf16", chunk_config_dict=dict(CHUNK))
+    return gemini, GeminiOptimizer(make_optimizer(model), gemini, initial_scale=2**8)
+
+
+def _train(gemini: GeminiDDP, opt: GeminiOptimizer, rank: int, world: int) -> None:
+    for step in range(2):
+        x, y = local_batch(step, rank, world)
+        opt.backward(nn.functional.mse_loss(gemini(x).float(), y))
+        opt.step()
+
+
+def _files(root: str) -> dict[str, bytes]:
+    """The checkpoint's files (hidden ones, e.g. a failed save's staging folder, left out)."""
+    return {n: open(os.path.join(root, n), "rb").read() for n in sorted(os.listdir(root))
+            if not n.startswith(".")}
+
+
+class _NoGather(ChunkGatherer):
+    def buffer(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an in-place save gathered a chunk")
+
+
+def _save_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
+    gemini, opt = _gemini()
+    _train(gemini, opt, rank, world)
+    streamed = GeminiCheckpointIO()
+    streamed._in_place = lambda manager: False  # type: ignore[method-assign]
+    streamed.save_model(gemini, f"{root}/stream/model", shard=True, size_per_shard=SHARD_MB)
+    streamed.save_optimizer(opt, f"{root}/stream/optim", shard=True, size_per_shard=SHARD_MB)
+
+    written: list[int] = []
+    original_write, original_gatherer = inplace._write_part, ChunkGatherer.buffer
+    inplace._write_part = lambda fd, data, offset: (  # type: ignore[assignment]
+        written.append(data.numel() * data.element_size()) or original_write(fd, data, offset))
+    ChunkGatherer.buffer = _NoGather.buffer  # type: ignore[method-assign]
+    try:
+        io = GeminiCheckpointIO()
+        io.save_model(gemini, f"{root}/inplace/model", shard=True, size_per_shard=SHARD_MB)
+        io.save_optimizer(opt, f"{root}/inplace/optim", shard=True, size_per_shard=SHARD_MB)
+    finally:
+        inplace._write_part = original_write  # type: ignore[assignment]
+        ChunkGatherer.buffer = original_gatherer  # type: ignore[method-assign]
+
+    # A rank that fails mid-save: every rank raises, the committed checkpoint stays.
+    def broken(fd: int, data: torch.Tensor, offset: int) -> int:
+        if rank == 1:
+            raise OSError("disk full (injected)")
+        return original_write(fd, data, offset)
+
+    inplace._write_part = broken  # type: ignore[assignment]
+    try:
+        io.save_model(gemini, f"{root}/inplace/model", shard=True, size_per_shard=SHARD_MB)
+        failed = "no error"
+    except (CheckpointError, OSError) as err:
+        failed = str(err)
+    finally:
+        inplace._write_part = original_write  # type: ignore[assignment]
+    # After the failure the old checkpoint loads into another model, which saves the same.
+    other, other_opt = _gemini(seed=99)
+    io.load_model(other, f"{root}/inplace/model")
+    io.load_optimizer(other_opt, f"{root}/inplace/optim")
+    io.save_model(other, f"{root}/reloaded/model", shard=True, size_per_shard=SHARD_MB)
+    io.save_optimizer(other_opt, f"{root}/reloaded/optim", shard=True, size_per_shard=SHARD_MB)
+    return {"written": sum(written), "failed": failed}
+
+
+def test_gemini_in_place_save_is_byte_identical_and_gathers_nothing(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    results = spawn(_save_both_ways, 2, args=(root,))
+    for kind in ("model", "optim"):
+        stream, in_place = _files(f"{root}/stream/{kind}"), _files(f"{root}/inplace/{kind}")
+        assert sorted(stream) == sorted(in_place)
+        assert sum(n.endswith(".safetensors") for n in stream) >= 3, sorted(stream)
+        for name, data in stream.items():  # catches a wrong offset, order, header or CRC
+            assert in_place[name] == data, f"{kind}/{name} differs from the streamed save"
+        reloaded = _files(f"{root}/reloaded/{kind}")  # the failed save changed nothing
+        assert reloaded == stream, kind
+    # Both ranks wrote, and together exactly the data once (no tensor written twice).
+    assert all(r["written"] > 0 for r in results), results
+    index = json.loads(_files(f"{root}/stream/model")["model.safetensors.index.json"])
+    optim = json.loads(_files(f"{root}/stream/optim")["optimizer.safetensors.index.json"])
+    total = index["metadata"]["total_size"] + optim["metadata"]["total_size"]
+    assert sum(r["written"] for r in results) == total
+    assert "rank 1" in results[0]["failed"] and "injected" in results[1]["failed"], results
+    assert not [n for n in os.listdir(f"{root}/inplace/model") if n.endswith(".tmp")]
+
+
+# ---- a process killed mid-write (catches: a file committed or named before it is complete) ----
+_KILL_MID_WRITE = textwrap.dedent(
+    """
+    import os, sys, torch
+    from colossal.checkpoint_io import inplace
+    from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+    from colossal.gemini import GeminiDDP
+
+    path = sys.argv[1]
+    original, calls = inplace._pwrite_all, []
+
+    def write_then_die(fd, view, offset):
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(17)  # the process dies between its writes of the file
+        original(fd, view, offset)
+
+    inplace._pwrite_all = write_then_die
+    model = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+        model.bias.fill_(7.0)
+    gemini = GeminiDDP(model, precision="bf16", chunk_config_dict={"chunk_size": 4096})
+    GeminiCheckpointIO().save_model(gemini, path, shard=True, size_per_shard=1)
+    os._exit(0)  # reached only if the save wrote fewer than two pieces
+    """
+)
+
+
+def test_kill_mid_in_place_save_keeps_the_old_checkpoint(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    old = nn.Linear(64, 64)
+    path = str(tmp_path / "ckpt")
+    io = GeminiCheckpointIO()
+    gemini = GeminiDDP(old, precision="bf16", chunk_config_dict={"chunk_size": 4096})
+    io.save_model(gemini, path, shard=True, size_per_shard=1)
+    expected = {n: p.detach().clone() for n, p in gemini.state_dict().items()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _KILL_MID_WRITE, path], env=env,
+                          check=False, timeout=300)
+    assert done.returncode == 17, "the writer was not killed mid-write"
+    assert [n for n in os.listdir(path) if n.endswith(".tmp")]  # killed with a file open
+    fresh = GeminiDDP(nn.Linear(64, 64), precision="bf16", chunk_config_dict={"chunk_size": 4096})
+    io.load_model(fresh, path)
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+    io.save_model(fresh, path, shard=True, size_per_shard=1)  # succeeds, removes leftovers
+    assert not [n for n in os.listdir(path) if n.startswith(".")]

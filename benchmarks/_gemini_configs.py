@@ -31,28 +31,6 @@ ADAM = {"lr": 1e-4, "weight_decay": 0.01}
 AUTO_RESERVE = 0.25  # auto: device share reserved for non-model data (forces eviction)
 
 
-class TiedHeadGPT(GPT):
-    """``bench_gpt.GPT`` with its tied LM head as an ``nn.Linear`` module (same parameters).
-
-    ``GPT.forward`` multiplies by ``wte.weight`` outside any module call; GeminiDDP gathers
-    a chunk only around calls of the modules that own its parameters, so there the weight
-    would be a released (empty) view. The head module sharing ``wte.weight`` computes the
-    same thing, and every configuration uses it so they run the same model.
-    """
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def tensor_bytes(t: torch.Tensor | None) -> int:
     """Bytes of ``t`` held on this rank (a DTensor's local shard only)."""
     if t is None:
@@ -163,7 +141,7 @@ def _gemini(
     from colossal.kernels import HybridAdam
 
     torch.manual_seed(0)
-    model = TiedHeadGPT(cfg)
+    model = GPT(cfg)
     optim = HybridAdam(model.parameters(), **ADAM)
     gemini = GeminiDDP(model, **gemini_kwargs(config, chunk_size, device_limit, reserve))
     return Run(config, model, gemini, GeminiOptimizer(optim, gemini), True)
@@ -218,7 +196,7 @@ def build(
         ValueError: ``config`` is not one of :data:`CONFIGS`.
     """
     torch.manual_seed(0)
-    model = TiedHeadGPT(cfg)
+    model = GPT(cfg)
     if config in ("ddp", "ddp_bf16"):  # ddp_bf16: the same bf16 compute as Gemini, no master
         if config == "ddp_bf16":
             model = model.to(torch.bfloat16)

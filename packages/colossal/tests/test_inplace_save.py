@@ -102,6 +102,7 @@ def _save_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
     streamed._in_place = lambda manager: False  # type: ignore[method-assign]
     streamed.save_model(gemini, f"{root}/stream/model", shard=True, size_per_shard=SHARD_MB)
     streamed.save_optimizer(opt, f"{root}/stream/optim", shard=True, size_per_shard=SHARD_MB)
+    streamed.save_model(gemini, f"{root}/stream/one.safetensors")
 
     written: list[int] = []
     original_write, original_gatherer = inplace._write_part, ChunkGatherer.buffer
@@ -112,6 +113,7 @@ def _save_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
         io = GeminiCheckpointIO()
         io.save_model(gemini, f"{root}/inplace/model", shard=True, size_per_shard=SHARD_MB)
         io.save_optimizer(opt, f"{root}/inplace/optim", shard=True, size_per_shard=SHARD_MB)
+        io.save_model(gemini, f"{root}/inplace/one.safetensors")  # one file, no index
     finally:
         inplace._write_part = original_write  # type: ignore[assignment]
         ChunkGatherer.buffer = original_gatherer  # type: ignore[method-assign]
@@ -150,12 +152,14 @@ def test_gemini_in_place_save_is_byte_identical_and_gathers_nothing(tmp_path: An
             assert in_place[name] == data, f"{kind}/{name} differs from the streamed save"
         reloaded = _files(f"{root}/reloaded/{kind}")  # the failed save changed nothing
         assert reloaded == stream, kind
+    one = "one.safetensors"
+    assert open(f"{root}/inplace/{one}", "rb").read() == open(f"{root}/stream/{one}", "rb").read()
     # Both ranks wrote, and together exactly the data once (no tensor written twice).
     assert all(r["written"] > 0 for r in results), results
     index = json.loads(_files(f"{root}/stream/model")["model.safetensors.index.json"])
     optim = json.loads(_files(f"{root}/stream/optim")["optimizer.safetensors.index.json"])
     total = index["metadata"]["total_size"] + optim["metadata"]["total_size"]
-    assert sum(r["written"] for r in results) == total
+    assert sum(r["written"] for r in results) == total + index["metadata"]["total_size"]
     assert "rank 1" in results[0]["failed"] and "injected" in results[1]["failed"], results
     assert not [n for n in os.listdir(f"{root}/inplace/model") if n.endswith(".tmp")]
 

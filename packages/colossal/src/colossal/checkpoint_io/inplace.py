@@ -325,7 +325,7 @@ def save_in_place(
     path: str,
     files: Sequence[str],
     shards: Sequence[Sequence[str]],
-    index: dict[str, Any],
+    index: dict[str, Any] | None,
     index_name: str,
     prefix: str,
     texts: Mapping[str, str] | None,
@@ -338,7 +338,8 @@ def save_in_place(
     referenced by the committed index) as :class:`colossal.checkpoint_io.saver.ShardedSaver`
     does; ``index`` is the new index without ``metadata.files``, which this fills in.
     ``assign(sizes, world)`` picks the writing rank of each replicated tensor (the same
-    answer on every rank).
+    answer on every rank). With ``index=None`` (a lone file) the files are only renamed into
+    place: there is no index to commit.
 
     Raises:
         CheckpointError: On every rank, when a rank failed or the pieces do not tile the files.
@@ -406,7 +407,7 @@ def _commit(
     layouts: Mapping[str, tuple[bytes, int]],
     results: Sequence[list[Piece]],
     token: str,
-    index: dict[str, Any],
+    index: dict[str, Any] | None,
     index_name: str,
     prefix: str,
     texts: Mapping[str, str] | None,
@@ -423,6 +424,9 @@ def _commit(
     for file in files:
         os.replace(os.path.join(path, _temp_name(file, token)), os.path.join(path, file))
     durable.fsync_directory(path)
+    if index is None:
+        logger.info("saved in place to %s", [os.path.join(path, f) for f in files])
+        return
     index["metadata"]["files"] = dict(sorted(meta.items()))
     commit_index(path, index_name, index, prefix, texts)
     logger.info("%s checkpoint saved in place to %s", prefix, path)

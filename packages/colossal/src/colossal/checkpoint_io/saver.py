@@ -7,7 +7,9 @@ files are durable a rank records their sizes and checksums in ``rank<r>.meta.jso
 kind's hidden staging folder; rank 0 waits for all of them and commits by replacing the
 index. With ``use_async`` the tensors are snapshotted to CPU and all of this happens in the
 background; tensors named in ``background`` are even snapshotted on a background thread, and
-:meth:`ShardedSaver.wait_snapshots` is the fence before anything may modify them.
+:meth:`ShardedSaver.wait_snapshots` is the fence before anything may modify them. A sync save
+of FlatRange-sharded state can skip the gathers: every rank writes its own bytes in place
+(:mod:`.inplace`).
 """
 
 from __future__ import annotations
@@ -225,12 +227,13 @@ class ShardedSaver:
         gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
         stream: bool = False,
+        in_place: bool = False,
     ) -> None:
         """Save ``tensors`` as the one safetensors file ``path``, written by rank 0.
 
-        Collective over the group; ``gather``, ``use_async``, ``background`` and ``stream``
-        as in :meth:`save`. The file is replaced atomically (a temporary file, then a rename), and
-        nothing else next to it is touched.
+        Collective over the group; ``gather``, ``use_async``, ``background``, ``stream`` and
+        ``in_place`` (every rank writes its own parts) as in :meth:`save`. The file is
+        replaced atomically (a temporary file, then a rename); nothing next to it is touched.
         """
         key = os.path.abspath(path)
         self._wait_for_path(key)
@@ -246,6 +249,10 @@ class ShardedSaver:
         if error is not None:
             raise error
         names = list(tensors)
+        if in_place and not use_async and supports_in_place(tensors):
+            save_in_place(tensors, os.path.dirname(key), [os.path.basename(key)], [names], None,
+                          "", "", None, self._assign, self.group)
+            return
         if stream and not use_async:
             _stream_part(tensors, names, 0, rank, path, gather or _identity)
             if world > 1:

@@ -136,9 +136,9 @@ class GeminiCheckpointIO(CheckpointIO):
         A sync save into a directory writes in place: every rank writes the flat ranges of
         the parameters its chunk shards hold (fp32 masters, or the chunk-dtype shards) and
         its share of the buffers straight into the files, nothing is gathered
-        (:mod:`colossal.checkpoint_io.inplace`). An async save, or a single ``.safetensors``
-        file, streams chunk by chunk through gathers (about one chunk of extra memory per
-        rank whatever ``size_per_shard`` is).
+        (:mod:`colossal.checkpoint_io.inplace`); so does a sync save into one
+        ``.safetensors`` file. An async save streams chunk by chunk through gathers (about
+        one chunk of extra memory per rank whatever ``size_per_shard`` is).
 
         Raises:
             ValueError: ``use_safetensors=False``.
@@ -160,7 +160,8 @@ class GeminiCheckpointIO(CheckpointIO):
             if not shard and checkpoint.endswith(".safetensors") and \
                     not os.path.isdir(checkpoint):
                 self.saver.save_file(state, checkpoint, use_async=use_async, gather=self.to_full,
-                                     background=background, stream=True)
+                                     background=background, stream=True,
+                                     in_place=self._in_place(gemini.chunk_manager))
                 return
             self.saver.save(
                 state,

@@ -235,7 +235,7 @@ def _checkpoint_goals(world: int, ckpt_rows: list[dict[str, Any]]) -> list[dict[
             continue
         goals.append(
             goal(
-                f"checkpoint {kind} / disk bandwidth (world {world})",
+                f"checkpoint {kind} / disk bandwidth, medians (world {world})",
                 value / disk,
                 ">= 0.9",
                 value >= 0.9 * disk,
@@ -343,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                     "method",
                     "GB",
                     "save_s",
+                    "save_min_s",
+                    "save_max_s",
                     "save_GB_s",
                     "load_s",
+                    "load_min_s",
+                    "load_max_s",
                     "load_GB_s",
                     "status",
                 ],

@@ -73,50 +73,61 @@ def checkpoint_rows(
     the Gemini rows are those the save wrote (read back from the directory). The disk write,
     our save and load, and the previous save path alternate in ``rounds`` rounds (the first
     writer of a run would otherwise pay for the others' page-cache state); each row is the
-    median, with min and max.
+    median, with min and max. Like the disk probe (which writes a new file and deletes it
+    untimed), each round saves into a new directory, deleted untimed; a separate row saves
+    over the round's checkpoint, which also deletes the replaced files inside the save.
     """
-    model_dir, optim_dir = os.path.join(root, "model"), os.path.join(root, "optim")
-    times: dict[str, list[float]] = {"disk": [], "save": [], "load": [], "streamed": []}
-    saved: dict[str, Any] = {}
-    streamed: dict[str, Any] = {}
-    nbytes = 0
     from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 
     io = GeminiCheckpointIO()
-    for _ in range(max(rounds, 1)):
+    times: dict[str, list[float]] = {k: [] for k in ("disk", "save", "load", "over", "streamed")}
+    saved: dict[str, Any] = {}
+    streamed: dict[str, Any] = {}
+    nbytes = 0
+    for i in range(max(rounds, 1)):
+        here = os.path.join(root, f"round{i}")
+        model_dir, optim_dir = os.path.join(here, "model"), os.path.join(here, "optim")
+
+        def save(model_dir: str = model_dir, optim_dir: str = optim_dir) -> None:
+            io.save_model(model, model_dir, shard=True)
+            io.save_optimizer(optim, optim_dir, shard=True)
+
         if "status" not in saved:
             try:
-                times["save"].append(_timed(
-                    lambda: (
-                        io.save_model(model, model_dir, shard=True),
-                        io.save_optimizer(optim, optim_dir, shard=True),
-                    )
-                ))
+                times["save"].append(_timed(save))
                 nbytes = _dir_bytes(model_dir) + _dir_bytes(optim_dir)
                 times["load"].append(_timed(
-                    lambda: (io.load_model(model, model_dir), io.load_optimizer(optim, optim_dir))
+                    lambda model_dir=model_dir, optim_dir=optim_dir: (
+                        io.load_model(model, model_dir), io.load_optimizer(optim, optim_dir)
+                    )
                 ))
+                times["over"].append(_timed(save))
             except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
                 logger.warning("gemini checkpoint failed: %r", exc)
                 saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
         if "status" not in streamed:
-            streamed = _streamed_save(model, optim, os.path.join(root, "streamed"), nbytes)
+            streamed = _streamed_save(model, optim, os.path.join(here, "streamed"), nbytes)
             if "save_s" in streamed:
                 times["streamed"].append(streamed.pop("save_s"))
         if dist.is_initialized():
             dist.barrier()
+        if rank == 0:
+            shutil.rmtree(here, ignore_errors=True)
         # disk bandwidth for the same bytes (or, when the save failed, the model states' size)
         probe = nbytes or 3 * 4 * psi  # fp32 params + two Adam states
         times["disk"].append(
             disk_write(os.path.join(root, f"disk{rank}.bin"), max(probe // world, 1 << 20))
         )
     probe = nbytes or 3 * 4 * psi
+    gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [
         {"method": "disk write (fsync, all ranks)", "GB": probe / 1e9,
          **_spread("save", times["disk"])},
-        {"method": "gemini save+load (model, optimizer)", "GB": nbytes / 1e9, **saved,
+        {"method": "gemini save+load (model, optimizer)", "GB": gigabytes, **saved,
          **_spread("save", times["save"]), **_spread("load", times["load"])},
-        {"method": "gemini save streamed through gathers (previous path)", "GB": nbytes / 1e9,
+        {"method": "gemini save over the previous checkpoint (deletes it)", "GB": gigabytes,
+         **saved, **_spread("save", times["over"])},
+        {"method": "gemini save streamed through gathers (previous path)", "GB": gigabytes,
          **streamed, **_spread("save", times["streamed"])},
     ]
     for row in rows:
@@ -124,10 +135,6 @@ def checkpoint_rows(
             row["save_GB_s"] = row["GB"] / row["save_s"]
         if "load_s" in row:
             row["load_GB_s"] = row["GB"] / row["load_s"]
-    if rank == 0:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        shutil.rmtree(optim_dir, ignore_errors=True)
-        shutil.rmtree(os.path.join(root, "streamed"), ignore_errors=True)
     return rows
 
 

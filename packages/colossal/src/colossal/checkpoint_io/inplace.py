@@ -280,10 +280,16 @@ def _write_own(
     token: str,
     writers: Mapping[str, int],
     rank: int,
+    world: int = 1,
 ) -> list[Piece]:
-    """Write this rank's parts into the temporary files, fsync; the pieces (coalesced)."""
+    """Write this rank's parts into the temporary files, fsync; the pieces (coalesced).
+
+    Each rank starts on another file (the plan rotated by ``rank``): writers to one file share
+    its inode lock, writers to different files do not.
+    """
     pieces: list[Piece] = []
-    for file, data_start, infos in plan:
+    start = rank * len(plan) // max(world, 1)
+    for file, data_start, infos in [*plan[start:], *plan[:start]]:
         fd = None
         try:
             for info in infos:
@@ -374,7 +380,7 @@ def save_in_place(
     # 2. every rank writes its own parts; 3. one all-gather of the pieces
     mine: Any
     try:
-        mine = _write_own(path, tensors, plan, token, writers, rank)
+        mine = _write_own(path, tensors, plan, token, writers, rank, world)
     except Exception as err:  # noqa: BLE001 - every rank raises it below
         mine = err
     results = _agree(mine, group, world)

@@ -132,6 +132,10 @@ class ShardedSaver:
         # Global sizes from shape and dtype: tensors and colossal.core.ShardedTensor alike.
         sizes = [(n, math.prod(t.shape) * t.dtype.itemsize) for n, t in tensors.items()]
         limit = size_per_shard_mb * 1024**2
+        if in_place and not use_async and world > 1 and supports_in_place(tensors):
+            # At least one file per rank: the ranks start on different files (inplace.py), as
+            # writers to one file share its inode lock.
+            limit = min(limit, -(-sum(s for _, s in sizes) // world))
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
         # Rank 0 alone checks the directory and reads the committed index; all take its plan.
         plan = _plan(path, prefix, index_name, len(shards)) if rank == 0 else None

@@ -10,8 +10,8 @@ file. A save therefore needs no gather at all:
    commit of the next save removes if this one dies), writes its header and sets its full
    size; one object all-gather shares the token (and any error).
 3. Every rank writes (``os.pwrite``) each part it holds at its offset (CPU tensors from
-   memory, device tensors copied to the CPU :data:`PIECE_BYTES` at a time), checksums it
-   and fsyncs. A
+   memory, device tensors copied to the CPU :data:`PIECE_BYTES` at a time) and fsyncs; the
+   CRC-32 of each piece is computed on a background thread meanwhile. A
    tensor every rank holds whole (a buffer, a step count) is written by one rank, chosen
    by the caller's spreading rule (the same on every rank).
 4. ONE object all-gather collects every rank's pieces ``(file, offset, length, crc)``. Rank 0
@@ -34,6 +34,7 @@ import os
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,19 +235,56 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[done:], offset + done
 
 
-def _write_part(fd: int, data: torch.Tensor, offset: int) -> int:
-    """Write ``data`` (1-D) at ``offset``, piece by piece for a device tensor; its CRC-32."""
-    crc, step = 0, max(1, PIECE_BYTES // max(1, data.element_size()))
+def _crc_of(piece: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(_bytes_of(piece))
+
+
+class _Checksums:
+    """CRC-32s computed on one background thread while the caller writes and fsyncs.
+
+    ``zlib.crc32`` releases the GIL, so a piece's checksum runs while the next piece is
+    written and while ``fsync`` waits for the disk. At most ``depth`` pieces are in flight
+    (each keeps its CPU tensor alive: bounded extra memory for device copies).
+    """
+
+    def __init__(self, depth: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colossal-crc")
+        self._depth = depth
+        self._open: list[Future[int]] = []
+
+    def submit(self, piece: torch.Tensor) -> Future[int]:
+        """Checksum ``piece`` in the background (waits while ``depth`` are in flight)."""
+        self._open = [f for f in self._open if not f.done()]
+        if len(self._open) >= self._depth:
+            self._open.pop(0).result()
+        future = self._pool.submit(_crc_of, piece)
+        self._open.append(future)
+        return future
+
+    def close(self) -> None:
+        """Stop the thread (after the submitted checksums are done)."""
+        self._pool.shutdown(wait=True)
+
+
+def _write_part(
+    fd: int, data: torch.Tensor, offset: int, checksums: _Checksums
+) -> list[tuple[int, Future[int]]]:
+    """Write ``data`` (1-D) at ``offset`` in pieces of at most :data:`PIECE_BYTES`.
+
+    Returns each piece's byte length and its CRC-32 (being computed), in order.
+    """
+    crcs, step = [], max(1, PIECE_BYTES // max(1, data.element_size()))
     for begin in range(0, data.numel(), step):
         piece = data[begin : begin + step]
         if piece.device.type != "cpu" or not piece.is_contiguous():
             piece = piece.to("cpu").contiguous()
         view = _bytes_of(piece)
-        crc = zlib.crc32(view, crc)
         _pwrite_all(fd, view, offset)
         offset += len(view)
-        del view, piece
-    return crc
+        crcs.append((len(view), checksums.submit(piece)))
+        del view
+    return crcs
 
 
 # ---- the save -------------------------------------------------------------------------------
@@ -287,42 +325,60 @@ def _write_own(
     Each rank starts on another file (the plan rotated by ``rank``): writers to one file share
     its inode lock, writers to different files do not.
     """
-    pieces: list[Piece] = []
+    written: list[tuple[str, int, int, list[tuple[int, Future[int]]]]] = []
     start = rank * len(plan) // max(world, 1)
-    for file, data_start, infos in [*plan[start:], *plan[:start]]:
-        fd = None
-        try:
-            for info in infos:
-                found = local_part(tensors[info.name])
-                if found is None:
-                    raise CheckpointError(f"{info.name!r} is not a tensor or a FlatRange part")
-                part, data, replicated = found
-                if part.numel == 0 or (replicated and writers[info.name] != rank):
-                    continue
-                if data.dtype != info.dtype or data.numel() != part.numel:
-                    raise CheckpointError(
-                        f"{info.name!r}: this rank's part {part} has {data.numel()} elements of "
-                        f"{data.dtype}, the checkpoint declares {info.dtype}; a sharded tensor "
-                        "whose local() disagrees with its dtype or part"
-                    )
-                part.check(info.shape)
-                if fd is None:
-                    fd = os.open(os.path.join(path, _temp_name(file, token)), os.O_WRONLY)
-                offset = data_start + info.begin + part.start * info.dtype.itemsize
-                crc = _write_part(fd, data, offset)
-                piece = Piece(file, offset, part.numel * info.dtype.itemsize, crc)
-                last = pieces[-1] if pieces else None
-                if last is not None and last.file == file and last.offset + last.length == offset:
-                    piece = Piece(file, last.offset, last.length + piece.length,
-                                  crc32_combine(last.crc32, crc, piece.length))
-                    pieces[-1] = piece
-                else:
-                    pieces.append(piece)
-            if fd is not None:
-                os.fsync(fd)
-        finally:
-            if fd is not None:
-                os.close(fd)
+    checksums = _Checksums()
+    try:
+        for file, data_start, infos in [*plan[start:], *plan[:start]]:
+            fd = None
+            try:
+                for info in infos:
+                    found = local_part(tensors[info.name])
+                    if found is None:
+                        raise CheckpointError(
+                            f"{info.name!r} is not a tensor or a FlatRange part")
+                    part, data, replicated = found
+                    if part.numel == 0 or (replicated and writers[info.name] != rank):
+                        continue
+                    if data.dtype != info.dtype or data.numel() != part.numel:
+                        raise CheckpointError(
+                            f"{info.name!r}: this rank's part {part} has {data.numel()} "
+                            f"elements of {data.dtype}, the checkpoint declares {info.dtype}; "
+                            "a sharded tensor whose local() disagrees with its dtype or part"
+                        )
+                    part.check(info.shape)
+                    if fd is None:
+                        fd = os.open(os.path.join(path, _temp_name(file, token)), os.O_WRONLY)
+                    offset = data_start + info.begin + part.start * info.dtype.itemsize
+                    crcs = _write_part(fd, data, offset, checksums)
+                    written.append((file, offset, part.numel * info.dtype.itemsize, crcs))
+                if fd is not None:
+                    os.fsync(fd)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        return _coalesce(written)
+    finally:
+        checksums.close()
+
+
+def _coalesce(written: Sequence[tuple[str, int, int, Sequence[tuple[int, Any]]]]) -> list[Piece]:
+    """Pieces ``(file, offset, length, crc)`` of the written parts, adjacent ones merged.
+
+    ``written`` holds per part its file, offset, length and the (length, CRC future) of each
+    piece it was written in.
+    """
+    pieces: list[Piece] = []
+    for file, offset, length, crcs in written:
+        crc = 0
+        for size, future in crcs:
+            crc = crc32_combine(crc, future.result(), size)
+        last = pieces[-1] if pieces else None
+        if last is not None and last.file == file and last.offset + last.length == offset:
+            pieces[-1] = Piece(file, last.offset, last.length + length,
+                               crc32_combine(last.crc32, crc, length))
+        else:
+            pieces.append(Piece(file, offset, length, crc))
     return pieces
 
 

@@ -15,7 +15,7 @@ from colossal.cli.bench.report import COLUMNS
 from colossal.core.testing import run_isolated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("ddp", "fsdp", "zero1", "zero2")
+CONFIGS = ("ddp", "fsdp", "zero1", "zero2", "gemini-static", "gemini-auto")
 #: The table's header, spelled out so that a renamed column fails here.
 HEADER = ["configuration", "step time", "tokens/s", "model state / rank", "comm / step", "status"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

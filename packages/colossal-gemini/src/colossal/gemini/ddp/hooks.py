@@ -45,6 +45,25 @@ def _unique(chunks: Sequence[Chunk]) -> list[Chunk]:
     return out
 
 
+class _OwnWork:
+    """``with runtime.own_work:`` marks the runtime's own operators (never outside uses).
+
+    Re-entrant: the previous ``busy`` value is restored on exit. A plain class rather than a
+    generator context manager: it runs in every module hook.
+    """
+
+    def __init__(self, runtime: ChunkRuntime) -> None:
+        self._runtime = runtime
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(self._runtime.busy)
+        self._runtime.busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._runtime.busy = self._saved.pop()
+
+
 class ChunkRuntime:
     """The per-step state of the hooks: the forward record and the backward walk.
 
@@ -86,6 +105,7 @@ class ChunkRuntime:
         # payload made by an outside use, kept alive until the root forward ends).
         self.watch: dict[int, Any] = {}
         self.busy = False  # the runtime's own work runs: its operators are not uses
+        self.own_work = _OwnWork(self)  # ``with self.own_work:`` sets ``busy`` meanwhile
         self._params: dict[int, tuple[nn.Parameter, Chunk]] = {}
         self._derived: dict[int, tuple[torch.Tensor, Chunk]] = {}
         self._pinned: dict[int, Chunk] = {}  # chunks a derived tensor aliases
@@ -146,11 +166,10 @@ class ChunkRuntime:
                 yield
         finally:
             self._forget_derived()
-            prev, self.busy = self.busy, True
             try:
-                self._maybe_release(list(self._pinned.values()), require_used=False)
+                with self.own_work:
+                    self._maybe_release(list(self._pinned.values()), require_used=False)
             finally:
-                self.busy = prev
                 self._pinned.clear()
 
     def _forget_derived(self) -> None:
@@ -182,29 +201,20 @@ class ChunkRuntime:
             if derived is not None:
                 chunks.append(derived[1])
         chunks = _unique(chunks)
-        prev, self.busy = self.busy, True
-        try:
+        with self.own_work:
             self._gather(chunks)
             call = self.record.new_call(chunks)
             for p in params:
                 self.manager.chunk_of(p).set_state(p, TensorState.COMPUTE)
-        finally:
-            self.busy = prev
         try:
             out = func(*args, **kwargs)
         finally:
-            prev, self.busy = self.busy, True
-            try:
+            with self.own_work:
                 for p in params:
                     self.manager.chunk_of(p).set_state(p, TensorState.HOLD)
                     self._used.add(id(p))
-            finally:
-                self.busy = prev
-        prev, self.busy = self.busy, True
-        try:
+        with self.own_work:
             self._after_outside_call(call, chunks, out)
-        finally:
-            self.busy = prev
         return out
 
     def _after_outside_call(self, call: int, chunks: list[Chunk], out: Any) -> None:
@@ -255,8 +265,7 @@ class ChunkRuntime:
 
     def _pre_forward(self, params: list[nn.Parameter]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            prev, self.busy = self.busy, True
-            try:
+            with self.own_work:
                 chunks = _unique([self.manager.chunk_of(p) for p in params])
                 self._gather(chunks)
                 self.step += 1
@@ -267,15 +276,12 @@ class ChunkRuntime:
                 ahead = self.previous[position + len(chunks) :]
                 if ahead and self.manager.max_prefetch:
                     self.manager.prefetch(ahead)
-            finally:
-                self.busy = prev
 
         return hook
 
     def _post_forward(self, params: list[nn.Parameter]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            prev, self.busy = self.busy, True
-            try:
+            with self.own_work:
                 call = self._calls[id(module)].pop()
                 chunks = _unique([self.manager.chunk_of(p) for p in params])
                 for p in params:
@@ -288,8 +294,6 @@ class ChunkRuntime:
                     register_multi_grad_hook(outs, self._pre_backward(call), mode="any")
                 else:
                     self.record.drop_call(call)
-            finally:
-                self.busy = prev
             return None
 
         return hook

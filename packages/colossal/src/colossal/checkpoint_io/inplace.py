@@ -27,7 +27,6 @@ leaves it loadable, and only temporary files and the staging folder behind.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -46,7 +45,7 @@ from colossal.checkpoint_io.commit import commit_index
 from colossal.checkpoint_io.index import CheckpointError
 from colossal.core import Block, FlatRange
 from colossal.core.comm import all_gather_object
-from colossal.core.io import TensorInfo
+from colossal.core.io import TensorInfo, tensor_memoryview
 from colossal.core.io.safetensors_format import encode_header
 
 logger = logging.getLogger(__name__)
@@ -223,12 +222,6 @@ def combine_pieces(pieces: Sequence[Piece]) -> str:
     return f"{crc:08x}"
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (keep the tensor alive)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         done = os.pwrite(fd, view, offset)
@@ -237,7 +230,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _crc_of(piece: torch.Tensor) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(_bytes_of(piece))
+    return zlib.crc32(tensor_memoryview(piece))
 
 
 class _Checksums:
@@ -279,7 +272,7 @@ def _write_part(
         piece = data[begin : begin + step]
         if piece.device.type != "cpu" or not piece.is_contiguous():
             piece = piece.to("cpu").contiguous()
-        view = _bytes_of(piece)
+        view = tensor_memoryview(piece)
         _pwrite_all(fd, view, offset)
         offset += len(view)
         crcs.append((len(view), checksums.submit(piece)))

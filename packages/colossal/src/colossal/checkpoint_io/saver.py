@@ -14,7 +14,6 @@ of FlatRange-sharded state can skip the gathers: every rank writes its own bytes
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
@@ -54,7 +53,7 @@ from colossal.checkpoint_io.inplace import (
     supports_in_place,
 )
 from colossal.core.comm import all_gather_object, barrier
-from colossal.core.io import AsyncTensorWriter, WriteHandle
+from colossal.core.io import AsyncTensorWriter, WriteHandle, tensor_memoryview
 
 logger = logging.getLogger(__name__)
 
@@ -566,9 +565,8 @@ class _StreamFile:
                 self._queue.task_done()
                 continue  # drain after a failure
             try:
-                nbytes = data.numel() * data.element_size()
-                if nbytes:
-                    view = memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr()))
+                if data.numel():
+                    view = tensor_memoryview(data)
                     self._crc = zlib.crc32(view, self._crc)
                     self._file.write(view)
             except BaseException as err:  # noqa: BLE001 - raised by put()/finish()

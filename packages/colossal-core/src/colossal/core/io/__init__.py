@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from colossal.core.io._buffers import ALIGNMENT, empty_aligned
+from colossal.core.io._buffers import ALIGNMENT, empty_aligned, tensor_memoryview
 from colossal.core.io.handle import AsyncHandle, ReadHandle, WriteHandle
 from colossal.core.io.reader import (
     AsyncTensorReader,
@@ -51,5 +51,6 @@ __all__ = [
     "read_tensor_slice",
     "save_safetensors",
     "save_safetensors_async",
+    "tensor_memoryview",
     "write_tensor_file_async",
 ]

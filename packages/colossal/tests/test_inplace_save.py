@@ -23,7 +23,8 @@ from torch import nn
 
 from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 from colossal.checkpoint_io import CheckpointError, inplace
-from colossal.checkpoint_io.inplace import Piece, check_tiling, combine_pieces, crc32_combine
+from colossal.checkpoint_io.checksum import crc32, crc32_combine
+from colossal.checkpoint_io.inplace import Piece, check_tiling, combine_pieces
 from colossal.core.testing import spawn
 from colossal.gemini import ChunkGatherer, GeminiDDP, GeminiOptimizer
 
@@ -45,6 +46,18 @@ def test_crc32_combine_matches_zlib_of_the_concatenation() -> None:
     assert crc32_combine(zlib.crc32(b"xyz"), zlib.crc32(big), len(big)) == zlib.crc32(b"xyz" + big)
     with pytest.raises(ValueError, match="len2"):
         crc32_combine(0, 0, -1)
+
+
+def test_fast_crc32_equals_zlib_on_any_split() -> None:
+    """Catches a backend with another polynomial or init (zlib-ng's CRC-32C, Adler-32), or a
+    continuation value that is ignored: the index records CRCs any zlib can check."""
+    rng = random.Random(3)
+    data = rng.randbytes(1 << 20) + bytes(4097)
+    assert crc32(data) == zlib.crc32(data)
+    for cut in (0, 1, 4096, 777_777, len(data)):
+        assert crc32(data[cut:], crc32(data[:cut])) == zlib.crc32(data), cut
+    view = memoryview(torch.arange(1000, dtype=torch.float32).numpy()).cast("B")
+    assert crc32(view) == zlib.crc32(view)
 
 
 def test_combined_pieces_give_the_file_crc_in_any_order() -> None:
@@ -189,6 +202,31 @@ def test_gemini_in_place_save_is_byte_identical_and_gathers_nothing(tmp_path: An
     assert sum(r["written"] for r in results) == total + index["metadata"]["total_size"]
     assert "rank 1" in results[0]["failed"] and "injected" in results[1]["failed"], results
     assert not [n for n in os.listdir(f"{root}/inplace/model") if n.endswith(".tmp")]
+
+
+# ---- ranks on different filesystems (catches: a rank writing into a file nobody commits) --
+def _save_to_node_local_paths(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank passes its own directory, as ranks on different nodes with local disks."""
+    gemini, opt = _gemini()
+    errors = []
+    for shard in (True, False):
+        target = os.path.join(root, f"node{rank}", "ckpt" if shard else "one.safetensors")
+        try:
+            GeminiCheckpointIO().save_model(gemini, target, shard=shard, size_per_shard=SHARD_MB)
+            errors.append("no error")
+        except CheckpointError as err:
+            errors.append(str(err))
+    return {"errors": errors, "files": sorted(
+        os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)}
+
+
+def test_in_place_save_needs_a_filesystem_shared_by_the_ranks(tmp_path: Any) -> None:
+    results = spawn(_save_to_node_local_paths, 2, args=(str(tmp_path),))
+    for result in results:  # every rank fails, sharded or not, naming the cause
+        for error in result["errors"]:
+            assert "rank 1 does not see" in error and "shared" in error, result
+    leftovers = [f for f in results[0]["files"] if f.endswith(".tmp") or "safetensors" in f]
+    assert leftovers == [], leftovers  # rank 0 removed the files it created
 
 
 # ---- a process killed mid-write (catches: a file committed or named before it is complete) ----

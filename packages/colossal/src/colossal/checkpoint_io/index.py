@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from colossal.checkpoint_io.checksum import crc32
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -76,7 +77,7 @@ def file_crc32(path: str, chunk: int = 16 * 1024 * 1024) -> str:
             data = file.read(chunk)
             if not data:
                 break
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
@@ -99,7 +100,7 @@ def crc32_from_tensors(path: str, tensors: Mapping[str, Any]) -> str | None:
         ((k, v) for k, v in header.items() if k != "__metadata__"),
         key=lambda kv: kv[1]["data_offsets"][0],
     )
-    crc = zlib.crc32(header_bytes, zlib.crc32(prefix))
+    crc = crc32(header_bytes, crc32(prefix))
     for name, info in entries:
         tensor = tensors.get(name)
         if tensor is None:
@@ -108,7 +109,7 @@ def crc32_from_tensors(path: str, tensors: Mapping[str, Any]) -> str | None:
         begin, end = info["data_offsets"]
         if data.nbytes != end - begin:
             return None
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 

@@ -8,12 +8,14 @@ file. A save therefore needs no gather at all:
    order of a streamed save: by decreasing element size, then the plan's order).
 2. Rank 0 creates each file under a hidden temporary name (``.<file>.<token>.tmp``, which the
    commit of the next save removes if this one dies), writes its header and sets its full
-   size; one object all-gather shares the token (and any error).
+   size (:func:`create_files`); one object all-gather shares the token (and any error), or
+   the caller's own agreement does (the sharded saver's plan carries it).
 3. Every rank writes (``os.pwrite``) each part it holds at its offset (CPU tensors from
-   memory, device tensors copied to the CPU :data:`PIECE_BYTES` at a time) and fsyncs; the
-   CRC-32 of each piece is computed on a background thread meanwhile. A
-   tensor every rank holds whole (a buffer, a step count) is written by one rank, chosen
-   by the caller's spreading rule (the same on every rank).
+   memory, device tensors copied to the CPU :data:`PIECE_BYTES` at a time), starting each
+   piece's writeback at once, and fsyncs its files at the end; the CRC-32 of each piece is
+   computed on a background thread meanwhile. A tensor every rank holds whole (a buffer, a
+   step count) is written by one rank, chosen by the caller's spreading rule (the same on
+   every rank).
 4. ONE object all-gather collects every rank's pieces ``(file, offset, length, crc)``. Rank 0
    checks that they tile each file exactly (:func:`check_tiling`), combines their CRC-32s in
    offset order (:func:`crc32_combine`), renames the files to their final names, fsyncs the
@@ -31,7 +33,6 @@ import logging
 import math
 import os
 import uuid
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from colossal.checkpoint_io import durable
+from colossal.checkpoint_io.checksum import crc32, crc32_combine
 from colossal.checkpoint_io.commit import commit_index
 from colossal.checkpoint_io.index import CheckpointError
 from colossal.core import Block, FlatRange
@@ -54,66 +56,18 @@ __all__ = [
     "Piece",
     "check_tiling",
     "combine_pieces",
+    "create_files",
     "crc32_combine",
     "file_layout",
+    "layout_files",
     "local_part",
     "save_in_place",
     "stream_order",
     "supports_in_place",
 ]
 
-PIECE_BYTES = 64 * 1024 * 1024
+PIECE_BYTES = 8 * 1024 * 1024
 """A device tensor's part is copied to the CPU and written this many bytes at a time."""
-
-_POLY = 0xEDB88320  # CRC-32 (reflected)
-
-
-# ---- CRC-32 combine -------------------------------------------------------------------------
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC polynomial (reflected bit order: bit 31 is x^0)."""
-    m, p = 1 << 31, 0
-    while m:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    """``x^(2^k)`` modulo the polynomial for k = 0..31."""
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len(B)``.
-
-    zlib's ``crc32_combine``: ``crc1`` shifted by ``8 * len2`` zero bits is ``crc1`` times
-    ``x^(8 len2)`` in GF(2)[x] modulo the CRC polynomial, found with O(log len2)
-    multiplications by the precomputed ``x^(2^k)``.
-
-    Raises:
-        ValueError: ``len2`` is negative.
-    """
-    if len2 < 0:
-        raise ValueError(f"len2 must be >= 0, got {len2}")
-    p, k, n = 1 << 31, 3, len2  # x^0; the length is in bytes: 2^3 bits
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
-
 
 # ---- layout ---------------------------------------------------------------------------------
 def stream_order(tensors: Mapping[str, Any], names: Sequence[str]) -> list[str]:
@@ -229,8 +183,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _crc_of(piece: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(tensor_memoryview(piece))
+    """CRC-32 of a contiguous CPU tensor's bytes (the GIL is released on large buffers)."""
+    return crc32(tensor_memoryview(piece))
 
 
 class _Checksums:
@@ -274,6 +228,7 @@ def _write_part(
             piece = piece.to("cpu").contiguous()
         view = tensor_memoryview(piece)
         _pwrite_all(fd, view, offset)
+        durable.start_writeback(fd, offset, len(view))
         offset += len(view)
         crcs.append((len(view), checksums.submit(piece)))
         del view
@@ -321,38 +276,50 @@ def _write_own(
     written: list[tuple[str, int, int, list[tuple[int, Future[int]]]]] = []
     start = rank * len(plan) // max(world, 1)
     checksums = _Checksums()
+    opened: list[int] = []
     try:
         for file, data_start, infos in [*plan[start:], *plan[:start]]:
             fd = None
-            try:
-                for info in infos:
-                    found = local_part(tensors[info.name])
-                    if found is None:
-                        raise CheckpointError(
-                            f"{info.name!r} is not a tensor or a FlatRange part")
-                    part, data, replicated = found
-                    if part.numel == 0 or (replicated and writers[info.name] != rank):
-                        continue
-                    if data.dtype != info.dtype or data.numel() != part.numel:
-                        raise CheckpointError(
-                            f"{info.name!r}: this rank's part {part} has {data.numel()} "
-                            f"elements of {data.dtype}, the checkpoint declares {info.dtype}; "
-                            "a sharded tensor whose local() disagrees with its dtype or part"
-                        )
-                    part.check(info.shape)
-                    if fd is None:
-                        fd = os.open(os.path.join(path, _temp_name(file, token)), os.O_WRONLY)
-                    offset = data_start + info.begin + part.start * info.dtype.itemsize
-                    crcs = _write_part(fd, data, offset, checksums)
-                    written.append((file, offset, part.numel * info.dtype.itemsize, crcs))
-                if fd is not None:
-                    os.fsync(fd)
-            finally:
-                if fd is not None:
-                    os.close(fd)
+            for info in infos:
+                found = local_part(tensors[info.name])
+                if found is None:
+                    raise CheckpointError(
+                        f"{info.name!r} is not a tensor or a FlatRange part")
+                part, data, replicated = found
+                if part.numel == 0 or (replicated and writers[info.name] != rank):
+                    continue
+                if data.dtype != info.dtype or data.numel() != part.numel:
+                    raise CheckpointError(
+                        f"{info.name!r}: this rank's part {part} has {data.numel()} "
+                        f"elements of {data.dtype}, the checkpoint declares {info.dtype}; "
+                        "a sharded tensor whose local() disagrees with its dtype or part"
+                    )
+                part.check(info.shape)
+                if fd is None:
+                    fd = _open_created(path, _temp_name(file, token), rank)
+                    opened.append(fd)
+                offset = data_start + info.begin + part.start * info.dtype.itemsize
+                crcs = _write_part(fd, data, offset, checksums)
+                written.append((file, offset, part.numel * info.dtype.itemsize, crcs))
+        for fd in opened:  # the writeback of each piece started when it was written
+            os.fsync(fd)
         return _coalesce(written)
     finally:
+        for fd in opened:
+            os.close(fd)
         checksums.close()
+
+
+def _open_created(path: str, name: str, rank: int) -> int:
+    """Open a file rank 0 created for writing; a clear error when this rank cannot see it."""
+    try:
+        return os.open(os.path.join(path, name), os.O_WRONLY)
+    except FileNotFoundError as err:
+        raise CheckpointError(
+            f"rank {rank} does not see {os.path.join(path, name)!r}, which rank 0 created: a "
+            "checkpoint saved by several ranks needs a path on a filesystem shared by all of "
+            "them (e.g. NFS or Lustre); pass such a path"
+        ) from err
 
 
 def _coalesce(written: Sequence[tuple[str, int, int, Sequence[tuple[int, Any]]]]) -> list[Piece]:
@@ -375,6 +342,44 @@ def _coalesce(written: Sequence[tuple[str, int, int, Sequence[tuple[int, Any]]]]
     return pieces
 
 
+def layout_files(
+    tensors: Mapping[str, Any], files: Sequence[str], shards: Sequence[Sequence[str]]
+) -> tuple[list[tuple[str, int, list[TensorInfo]]], dict[str, tuple[bytes, int]]]:
+    """The plan ``(file, data start, infos)`` and the layout ``file -> (header, size)``.
+
+    The same on every rank: it depends only on names, shapes and dtypes.
+    """
+    plan: list[tuple[str, int, list[TensorInfo]]] = []
+    layouts: dict[str, tuple[bytes, int]] = {}
+    for file, names in zip(files, shards, strict=True):
+        ordered = stream_order(tensors, list(names))
+        header, infos = file_layout([(n, tensors[n].shape, tensors[n].dtype) for n in ordered])
+        plan.append((file, len(header), infos))
+        layouts[file] = (header, len(header) + (infos[-1].end if infos else 0))
+    return plan, layouts
+
+
+def create_files(
+    path: str, tensors: Mapping[str, Any], files: Sequence[str], shards: Sequence[Sequence[str]]
+) -> str:
+    """Rank 0's first step: create the temporary files at full size; returns their token.
+
+    Pass the token to every rank's :func:`save_in_place`. A caller that already shares an
+    object from rank 0 with the group (e.g. its plan) runs this there and saves an agreement.
+
+    Raises:
+        OSError: A file could not be created (the others are removed again).
+    """
+    token = uuid.uuid4().hex[:12]
+    _, layouts = layout_files(tensors, files, shards)
+    try:
+        _create(path, layouts, token)
+    except OSError:
+        _remove_temps(path, files, token)
+        raise
+    return token
+
+
 def save_in_place(
     tensors: Mapping[str, Any],
     path: str,
@@ -386,6 +391,7 @@ def save_in_place(
     texts: Mapping[str, str] | None,
     assign: Callable[[list[int], int], list[int]],
     group: dist.ProcessGroup | None = None,
+    token: str | None = None,
 ) -> None:
     """Write ``shards`` (names per file) into ``files`` in ``path`` in place and commit.
 
@@ -394,7 +400,10 @@ def save_in_place(
     does; ``index`` is the new index without ``metadata.files``, which this fills in.
     ``assign(sizes, world)`` picks the writing rank of each replicated tensor (the same
     answer on every rank). With ``index=None`` (a lone file) the files are only renamed into
-    place: there is no index to commit.
+    place: there is no index to commit. ``token``: rank 0 already created the files with
+    :func:`create_files` and every rank got its token; without it rank 0 creates them here.
+    A rank that cannot see a file rank 0 created (``path`` not on a filesystem shared by the
+    group) fails the save on every rank.
 
     Raises:
         CheckpointError: On every rank, when a rank failed or the pieces do not tile the files.
@@ -402,13 +411,7 @@ def save_in_place(
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) \
         if dist.is_initialized() else (0, 1)
-    plan: list[tuple[str, int, list[TensorInfo]]] = []
-    layouts: dict[str, tuple[bytes, int]] = {}
-    for file, names in zip(files, shards, strict=True):
-        ordered = stream_order(tensors, list(names))
-        header, infos = file_layout([(n, tensors[n].shape, tensors[n].dtype) for n in ordered])
-        plan.append((file, len(header), infos))
-        layouts[file] = (header, len(header) + (infos[-1].end if infos else 0))
+    plan, layouts = layout_files(tensors, files, shards)
     replicated = [n for names in shards for n in names
                   if isinstance(tensors[n], torch.Tensor) or not isinstance(
                       getattr(tensors[n], "part", None), FlatRange)]
@@ -416,16 +419,17 @@ def save_in_place(
     writers = dict(zip(replicated, assign(sizes, world), strict=True))
 
     # 1. rank 0 creates the files at full size; everyone learns the token (or the error)
-    token: Any = uuid.uuid4().hex[:12]
-    if rank == 0:
-        try:
-            _create(path, layouts, token)
-        except OSError as err:
-            _remove_temps(path, files, token)
-            token = err
-    token = _agree(token, group, world)[0]
-    if isinstance(token, BaseException):
-        raise token
+    if token is None:
+        agreed: Any = None
+        if rank == 0:
+            try:
+                agreed = create_files(path, tensors, files, shards)
+            except OSError as err:
+                agreed = err
+        agreed = _agree(agreed, group, world)[0]
+        if isinstance(agreed, BaseException):
+            raise agreed
+        token = agreed
     # 2. every rank writes its own parts; 3. one all-gather of the pieces
     mine: Any
     try:
@@ -469,7 +473,7 @@ def _commit(
 ) -> None:
     """Rank 0: check the tiling, combine the CRCs, give the files their names, commit."""
     by_file: dict[str, list[Piece]] = {
-        f: [Piece(f, 0, len(header), zlib.crc32(header))] for f, (header, _) in layouts.items()
+        f: [Piece(f, 0, len(header), crc32(header))] for f, (header, _) in layouts.items()
     }
     for piece in (p for pieces in results for p in pieces):
         by_file.setdefault(piece.file, []).append(piece)

@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from colossal.checkpoint_io import durable
+from colossal.checkpoint_io.checksum import crc32
 from colossal.checkpoint_io.commit import (
     choose_file_names,
     commit_index,
@@ -47,6 +47,7 @@ from colossal.checkpoint_io.index import (
     plan_shards,
 )
 from colossal.checkpoint_io.inplace import (
+    create_files,
     file_layout,
     save_in_place,
     stream_order,
@@ -136,16 +137,19 @@ class ShardedSaver:
             # writers to one file share its inode lock.
             limit = min(limit, -(-sum(s for _, s in sizes) // world))
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
-        # Rank 0 alone checks the directory and reads the committed index; all take its plan.
-        plan = _plan(path, prefix, index_name, len(shards)) if rank == 0 else None
+        in_place = in_place and not use_async and supports_in_place(tensors)
+        # Rank 0 alone checks the directory and reads the committed index; all take its plan
+        # (for an in-place save rank 0 has also created the files: the plan holds their token).
+        plan = _plan(path, prefix, index_name, shards, tensors if in_place else None) \
+            if rank == 0 else None
         if world > 1:
             plan = all_gather_object(plan, self.group)[0]
         if isinstance(plan, BaseException):
             raise plan
         assert isinstance(plan, dict)
         staging, files = staging_directory(path, prefix), plan["files"]
-        if world > 1:
-            _check_shared_directory(path, plan["created"], staging, rank, self.group)
+        if world > 1 and not in_place:  # in place, a rank that cannot see the files fails
+            _check_shared_directory(path, plan, staging, rank, self.group)
         clash = sorted(set(extra_files or ()) & {*files, index_name})
         if clash:
             raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
@@ -161,9 +165,9 @@ class ShardedSaver:
             **(dict(extra) if extra else {}),
         }
         texts = dict(extra_files) if rank == 0 and extra_files else {}
-        if in_place and not use_async and supports_in_place(tensors):
+        if in_place:
             save_in_place(tensors, path, files, shards, index, index_name, prefix, texts,
-                          self._assign, self.group)
+                          self._assign, self.group, token=plan["token"])
             return
         handles: list[tuple[str, Any, dict[str, torch.Tensor] | None]] = []
         nbytes = dict(sizes)
@@ -241,20 +245,24 @@ class ShardedSaver:
         key = os.path.abspath(path)
         self._wait_for_path(key)
         rank, world = _rank_world(self.group)
-        error: BaseException | None = None
+        names = list(tensors)
+        in_place = in_place and not use_async and supports_in_place(tensors)
+        folder, file = os.path.dirname(key), os.path.basename(key)
+        outcome: str | BaseException | None = None  # rank 0: the in-place token or the error
         if rank == 0:
             try:
-                os.makedirs(os.path.dirname(key), exist_ok=True)
+                os.makedirs(folder, exist_ok=True)
+                if in_place:
+                    outcome = create_files(folder, tensors, [file], [names])
             except OSError as err:
-                error = err
+                outcome = err
         if world > 1:
-            error = all_gather_object(error, self.group)[0]
-        if error is not None:
-            raise error
-        names = list(tensors)
-        if in_place and not use_async and supports_in_place(tensors):
-            save_in_place(tensors, os.path.dirname(key), [os.path.basename(key)], [names], None,
-                          "", "", None, self._assign, self.group)
+            outcome = all_gather_object(outcome, self.group)[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if in_place:
+            save_in_place(tensors, folder, [file], [names], None, "", "", None, self._assign,
+                          self.group, token=outcome)
             return
         if stream and not use_async:
             _stream_part(tensors, names, 0, rank, path, gather or _identity)
@@ -348,9 +356,17 @@ class ShardedSaver:
             self._writer.close()
 
 
-def _plan(path: str, prefix: str, index_name: str, count: int) -> dict[str, Any] | OSError:
+def _plan(
+    path: str,
+    prefix: str,
+    index_name: str,
+    shards: list[list[str]],
+    in_place: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | OSError:
     """Rank 0's preparation: the directory, a fresh staging folder, the new file names.
 
+    Also leaves the token of the shared-directory check in the staging folder and, for an
+    in-place save of the tensors ``in_place``, creates the files (their token in the plan).
     Returns the error instead of raising it, so that every rank can raise it.
     """
     try:
@@ -358,39 +374,44 @@ def _plan(path: str, prefix: str, index_name: str, count: int) -> dict[str, Any]
         staging = staging_directory(path, prefix)
         durable.remove(staging)  # meta files of an interrupted save
         os.makedirs(staging)
+        files = choose_file_names(path, index_name, prefix, len(shards))
+        shared = os.urandom(16).hex()
+        with open(os.path.join(staging, _SHARED_CHECK), "w", encoding="ascii") as file:
+            file.write(shared)
+        token = create_files(path, in_place, files, shards) if in_place is not None else None
     except OSError as err:
         return err
-    return {"created": created, "files": choose_file_names(path, index_name, prefix, count)}
+    return {"created": created, "files": files, "shared": shared, "token": token}
+
+
+_SHARED_CHECK = ".shared-check"
 
 
 def _check_shared_directory(
-    path: str, created: bool, staging: str, rank: int, group: dist.ProcessGroup | None
+    path: str, plan: Mapping[str, Any], staging: str, rank: int, group: dist.ProcessGroup | None
 ) -> None:
     """Raise :class:`CheckpointError` on every rank unless all see rank 0's ``staging``.
 
     Ranks write their files into the directory rank 0 prepared and rank 0 waits for them, so
     a path that is not on a filesystem shared by the group would fail late (after a long
-    wait). Rank 0 leaves a random token there; every rank reads it back. On failure rank 0
-    removes the staging folder, and ``path`` too if it ``created`` it and it is empty.
+    wait). Rank 0 left a random token there before sharing its ``plan``; every rank reads it
+    back. On failure rank 0 removes the staging folder, and ``path`` too if it created it and
+    it is empty.
     """
-    token_path = os.path.join(staging, ".shared-check")
-    if rank == 0:
-        with open(token_path, "w", encoding="ascii") as file:
-            file.write(os.urandom(16).hex())
-    barrier(group)
+    token_path = os.path.join(staging, _SHARED_CHECK)
     try:
         with open(token_path, encoding="ascii") as file:
             seen: str | None = file.read()
     except OSError:
         seen = None
-    verdicts = all_gather_object(seen, group)
+    verdicts = all_gather_object(seen == plan["shared"], group)
     if rank == 0:
         os.remove(token_path)
-    missing = [r for r, v in enumerate(verdicts) if v != verdicts[0]]
+    missing = [r for r, v in enumerate(verdicts) if not v]
     if missing:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-            if created and not os.listdir(path):
+            if plan["created"] and not os.listdir(path):
                 os.rmdir(path)
         raise CheckpointError(
             f"ranks {missing} do not see {staging!r}, which rank 0 created: a checkpoint saved "
@@ -527,7 +548,7 @@ class _StreamFile:
         self._tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed by finish()/abort()
         self._file.write(header)
-        self._crc = zlib.crc32(header)
+        self._crc = crc32(header)
         self._error: BaseException | None = None
         self._queue: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="colossal-ckpt-stream",
@@ -567,7 +588,7 @@ class _StreamFile:
             try:
                 if data.numel():
                     view = tensor_memoryview(data)
-                    self._crc = zlib.crc32(view, self._crc)
+                    self._crc = crc32(view, self._crc)
                     self._file.write(view)
             except BaseException as err:  # noqa: BLE001 - raised by put()/finish()
                 self._error = err

@@ -13,6 +13,10 @@ master weights; fp16 adds a dynamic loss scaler (initial scale 2**16). ZeRO and 
 the gradients themselves (``max_norm=--grad-clip``); DDP and FSDP clip through the optimizer.
 The optimizer is built before boosting, as Gemini needs (it moves the parameters into chunks).
 
+By default GPT-2's composed ``gelu_new`` runs as colossal-kernels' fused tanh-GELU (the same
+function; ``--no-fused-kernels`` keeps the model's modules). ``--metrics-json`` writes the
+per-iteration times and losses (``benchmarks/main_job.py`` reads them).
+
 Data: ``../shared/data/tinyshakespeare.txt`` (relative to the repository) when present, else
 a corpus built from local text files (the Python sources and docs of this repository). The
 model is ``transformers.GPT2LMHeadModel`` built from a config (no weights are downloaded).
@@ -42,6 +46,7 @@ from colossal.booster.plugin import (
     TorchFSDPPlugin,
 )
 from colossal.core import destroy, launch_from_torch
+from colossal.kernels import replace_activations
 from colossal.lazy import LazyInitContext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +86,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-after", type=int, default=0, help="stop after N iterations (simulate a crash)"
     )
     p.add_argument("--lazy", action="store_true", help="build the model with LazyInitContext")
+    p.add_argument(
+        "--no-fused-kernels",
+        dest="fused_kernels",
+        action="store_false",
+        help="keep the model's own modules (default: GPT-2's composed gelu_new runs as "
+        "colossal-kernels' one fused tanh-GELU kernel, the same function)",
+    )
+    p.add_argument(
+        "--metrics-json",
+        default=None,
+        help="rank 0 writes the per-iteration times (ms) and the losses here",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -225,6 +242,8 @@ def main(argv: list[str] | None = None) -> float:
             model = GPT2LMHeadModel(config)
     else:
         model = GPT2LMHeadModel(config)
+    if args.fused_kernels:
+        replace_activations(model)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -288,6 +307,7 @@ def main(argv: list[str] | None = None) -> float:
             bar = None
     t0 = time.time()
     val = float("nan")
+    iter_ms: list[float] = []
     for it in range(start, args.iters):
         if it % args.eval_interval == 0 or it == args.iters - 1:
             val = evaluate(model, val_data, args, rank, world)
@@ -296,6 +316,7 @@ def main(argv: list[str] | None = None) -> float:
             if rank == 0:
                 msg = f"iter {it}: val loss {val:.4f}"
                 print(msg, flush=True) if bar is None else bar.write(msg)
+        started = time.perf_counter()
         x, y = get_batch(train_data, per_rank, args.block, gen)
         loss = lm_loss(model, x, y)
         booster.backward(loss, optimizer)
@@ -305,6 +326,7 @@ def main(argv: list[str] | None = None) -> float:
         optimizer.zero_grad()
         scheduler.step()
         train = mean_over_ranks(loss.item())
+        iter_ms.append((time.perf_counter() - started) * 1e3)
         history["iter"].append(it)
         history["train"].append(train)
         if bar is not None:
@@ -328,6 +350,10 @@ def main(argv: list[str] | None = None) -> float:
             flush=True,
         )
         plot(history, os.path.join(args.out, "loss.png"))
+        if args.metrics_json:
+            write_atomic(args.metrics_json, json.dumps(
+                {"iter_ms": iter_ms, "final_val": val, "plugin": args.plugin, "world": world,
+                 "fused_kernels": args.fused_kernels, **history}))
     dist.barrier()
     destroy()  # groups stay alive to the process's end, so freeing the model cannot deadlock
     return val

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -35,7 +37,12 @@ def _final(out: str) -> float:
 
 
 def test_train_gpt_resume_across_plugins(tmp_path) -> None:
-    straight = _final(_torchrun("--plugin", "ddp", "--out", str(tmp_path / "a"), *SHORT))
+    metrics = tmp_path / "metrics.json"
+    straight = _final(_torchrun("--plugin", "ddp", "--out", str(tmp_path / "a"),
+                                "--metrics-json", str(metrics), *SHORT))
+    written = json.loads(metrics.read_text())  # what benchmarks/main_job.py reads
+    assert len(written["iter_ms"]) == 40 and min(written["iter_ms"]) > 0
+    assert written["final_val"] == pytest.approx(straight, abs=1e-4) and written["world"] == 2
     first = _torchrun(
         "--plugin", "zero2", "--out", str(tmp_path / "b"), "--save-interval", "20",
         "--stop-after", "20", "--async-save", *SHORT,

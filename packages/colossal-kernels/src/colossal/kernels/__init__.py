@@ -4,6 +4,8 @@
   ``step(div_scale=...)``, fp16/bf16 working copies written in the same pass, and NVMe
   offload of optimizer state.
 * :class:`FusedLayerNorm`, :class:`FusedRMSNorm` (+ functions and :func:`replace_norms`).
+* :class:`FusedGELUTanh` (+ :func:`gelu_tanh`, :func:`replace_activations`): GPT-2's composed
+  ``gelu_new`` as one kernel.
 * :func:`attention` with :class:`AttentionMask` / :func:`make_attention_mask`.
 * :func:`cross_entropy`: ``F.cross_entropy`` (class ids, ignore_index, mean/sum/none, an
   explicit divisor) that saves the logits and a per-row log-sum-exp instead of the
@@ -16,6 +18,7 @@ Nothing is compiled or imported from optional packages at import time.
 
 from colossal.kernels.__about__ import __version__
 from colossal.kernels._builtin import register_builtin
+from colossal.kernels.activation import FusedGELUTanh, gelu_tanh, replace_activations
 from colossal.kernels.attention import (
     AttentionMask,
     AttnMaskType,
@@ -52,6 +55,7 @@ __all__ = [
     "Availability",
     "CPUAdam",
     "FusedAdam",
+    "FusedGELUTanh",
     "FusedLayerNorm",
     "FusedRMSNorm",
     "HybridAdam",
@@ -65,8 +69,10 @@ __all__ = [
     "format_kernel_report",
     "fused_layer_norm",
     "fused_rms_norm",
+    "gelu_tanh",
     "kernel_report",
     "make_attention_mask",
+    "replace_activations",
     "replace_norms",
     "torch_adam_step",
 ]

@@ -182,4 +182,30 @@ def test_async_and_in_place_gather(rank: int, world_size: int, algorithm: str) -
     work.wait()
     assert torch.equal(out, torch.full((n,), float(sum(range(1, world_size + 1)))))
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        all_gather(flat, shard, algorithm="ring")
+        all_gather(flat, shard, algorithm="bogus")
+
+
+@distributed_test(2, 4)
+def test_ring_reduce_scatter_sums_every_rank_into_its_slice(rank: int, world_size: int) -> None:
+    """Catches a slice index off by one step (a rank ends with another's slice or a partial
+    sum of fewer ranks), a lost or doubled contribution, and a reused scratch buffer."""
+    n = 7
+    gen = torch.Generator().manual_seed(100 + rank)
+    mine = torch.randn(n * world_size, generator=gen, dtype=torch.float64)
+    everyone = [torch.randn(n * world_size, generator=torch.Generator().manual_seed(100 + r),
+                            dtype=torch.float64) for r in range(world_size)]
+    expected = torch.stack(everyone).sum(0)[rank * n : (rank + 1) * n]
+    for async_op in (False, True):
+        out = torch.empty(n, dtype=torch.float64)
+        work = reduce_scatter(out, mine.clone(), async_op=async_op, algorithm="ring")
+        if async_op:
+            assert work is not None
+            work.wait()
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out = torch.empty(n, dtype=torch.float64)
+    reduce_scatter(out, mine.clone())  # auto on gloo sums around the ring
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="only sums"):
+        reduce_scatter(out, mine.clone(), op=dist.ReduceOp.MAX, algorithm="ring")
+    with pytest.raises(ValueError, match="only reduce-scatters"):
+        all_gather(mine, mine[:n], algorithm="ring")

@@ -1,8 +1,9 @@
 """Reduce-scatter and all-gather of flat tensors, with the algorithm chosen per backend.
 
-On gloo, ``algorithm="auto"`` uses the *rooted* forms (a broadcast or a reduce rooted at
-each rank for its slice), because gloo's native reduce-scatter and all-gather are slower than
-them (and than one all-reduce); other backends use their own. The measurements are in
+On gloo, ``algorithm="auto"`` gathers with the *rooted* form (a broadcast rooted at each rank
+for its slice) and sums-and-scatters around a *ring* of point-to-point messages, because
+gloo's native reduce-scatter and all-gather are slower than them (and than one all-reduce);
+other backends use their own. The measurements are in
 colossal-core's CHANGELOG.
 Whatever the algorithm, the comm tracker records one logical collective and its full size.
 """
@@ -19,7 +20,9 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from colossal.core.comm.ops import CommWork, _dtype, _nbytes, _run, group_ranks
 
-ALGORITHMS = ("auto", "native", "all_reduce", "rooted")
+ALGORITHMS = ("auto", "native", "all_reduce", "rooted", "ring")
+
+_RING_TAG = 0x5253  # p2p tag of the ring reduce-scatter's messages (apart from other sends)
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,12 +46,65 @@ class _WorkList:
         raise NotImplementedError("a rooted collective has no single future; call wait()")
 
 
-def _choose(algorithm: str, group: ProcessGroup | None) -> str:
+def _choose(algorithm: str, group: ProcessGroup | None, gloo_default: str = "rooted") -> str:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm == "auto":
-        return "rooted" if dist.get_backend(group) == "gloo" else "native"
+        return gloo_default if dist.get_backend(group) == "gloo" else "native"
     return algorithm
+
+
+class _Done:
+    """The work of an emulated collective that completed before it was returned."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        raise NotImplementedError("a ring collective completes synchronously; call wait()")
+
+
+def _ring_reduce_scatter(
+    flat: torch.Tensor, n: int, key: Sequence[int], group: ProcessGroup | None
+) -> None:
+    """Sum ``flat`` (``len(key)`` slices of ``n``) over the ring; this rank's slice ends reduced.
+
+    Step ``s`` sends slice ``position - s - 1`` (holding ``s + 1`` ranks' sum) to the next rank
+    and adds the previous rank's slice ``position - s - 2`` into this one's: after
+    ``size - 1`` steps this rank's own slice holds every rank's sum. Each rank sends and
+    receives ``(size - 1) / size`` of the tensor once, as a ring all-reduce's first half does.
+    """
+    size = len(key)
+    position = key.index(dist.get_rank())
+    nxt, prev = key[(position + 1) % size], key[(position - 1) % size]
+    scratch = torch.empty(n, dtype=flat.dtype, device=flat.device)
+    for step in range(size - 1):
+        out = (position - step - 1) % size
+        into = (position - step - 2) % size
+        sent = dist.isend(flat[out * n : (out + 1) * n], nxt, group=group, tag=_RING_TAG)
+        dist.irecv(scratch, prev, group=group, tag=_RING_TAG).wait()
+        sent.wait()
+        flat[into * n : (into + 1) * n].add_(scratch)
+
+
+def _pair_exchange(
+    flat: torch.Tensor, n: int, key: Sequence[int], group: ProcessGroup | None
+) -> tuple[_WorkList, torch.Tensor]:
+    """The ring of two ranks, asynchronous: send the peer's slice, receive ours into scratch.
+
+    Returns the send and receive (one work) and the scratch to add to this rank's slice.
+    """
+    position = key.index(dist.get_rank())
+    peer = key[1 - position]
+    scratch = torch.empty(n, dtype=flat.dtype, device=flat.device)
+    theirs = flat[(1 - position) * n : (2 - position) * n]
+    return _WorkList([
+        dist.isend(theirs, peer, group=group, tag=_RING_TAG),
+        dist.irecv(scratch, peer, group=group, tag=_RING_TAG),
+    ]), scratch
 
 
 def _rooted(ops: list[Callable[[], Any]], async_op: bool) -> _WorkList | None:
@@ -70,8 +126,11 @@ def reduce_scatter(
     """Reduce the flat ``input`` across ``group`` and keep this rank's equal slice in ``output``.
 
     The contents of ``input`` are unspecified afterwards (the emulated algorithms reduce in
-    place and copy this rank's slice out). ``algorithm``: ``"auto"`` (rooted on gloo, native
-    elsewhere), ``"native"``, ``"all_reduce"`` or ``"rooted"`` (one reduce per rank).
+    place and copy this rank's slice out). ``algorithm``: ``"auto"`` (on gloo the ring for
+    sums of two ranks and for synchronous sums of more, else rooted; native elsewhere),
+    ``"native"``, ``"all_reduce"``, ``"rooted"`` (one reduce per rank) or ``"ring"``
+    (``size - 1`` point-to-point steps, sums only; asynchronous for two ranks, for more it
+    completes before returning, also with ``async_op``).
 
     Raises:
         ValueError: ``input`` does not hold exactly ``group size`` slices of ``output``'s size,
@@ -84,7 +143,12 @@ def reduce_scatter(
             f"reduce_scatter: input has {input.numel()} elements but the group of {size} ranks "
             f"needs {size} x output ({n}) = {size * n}; pad the input"
         )
-    chosen = _choose(algorithm, group)
+    # On gloo a ring of more than two ranks runs step by step before returning: only for
+    # synchronous sums (an asynchronous one must not block other groups' collectives).
+    ring_ok = op == ReduceOp.SUM and (size == 2 or not async_op)
+    chosen = _choose(algorithm, group, "ring" if ring_ok else "rooted")
+    if chosen == "ring" and op != ReduceOp.SUM:
+        raise ValueError(f"reduce_scatter: algorithm='ring' only sums, got op={op}; use 'rooted'")
     record = ("reduce_scatter", group, _nbytes(input), _dtype(input))
     if chosen == "native":
         return _run(
@@ -94,11 +158,24 @@ def reduce_scatter(
         )
     start = key.index(dist.get_rank()) * n
     flat_in, flat_out = input.view(-1), output.view(-1)
+    received: list[torch.Tensor] = []  # the two-rank ring's scratch, added when it arrived
 
     def copy_slice() -> None:
-        flat_out.copy_(flat_in[start : start + n])
+        if received:
+            torch.add(flat_in[start : start + n], received.pop(), out=flat_out)
+        else:
+            flat_out.copy_(flat_in[start : start + n])
 
     def issue() -> Any:
+        if chosen == "ring" and size == 2:
+            works, scratch = _pair_exchange(flat_in, n, key, group)
+            received.append(scratch)
+            if not async_op:
+                works.wait()
+            return works
+        if chosen == "ring":
+            _ring_reduce_scatter(flat_in, n, key, group)
+            return _Done()
         if chosen == "all_reduce":
             return dist.all_reduce(flat_in, op=op, group=group, async_op=async_op)
         return _rooted(
@@ -146,6 +223,8 @@ def all_gather(
             "gather uneven sizes, pad the inputs to equal size"
         )
     chosen = _choose(algorithm, group)
+    if chosen == "ring":
+        raise ValueError("all_gather: algorithm='ring' only reduce-scatters; use 'rooted'")
     record = ("all_gather", group, _nbytes(output), _dtype(output))
     if chosen == "native":
         return _run(

@@ -202,6 +202,10 @@ def test_ring_reduce_scatter_sums_every_rank_into_its_slice(rank: int, world_siz
             assert work is not None
             work.wait()
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    inside = mine.clone()  # the output a view of the input at this rank's slot: in place
+    reduce_scatter(inside[rank * n : (rank + 1) * n], inside, algorithm="ring")
+    torch.testing.assert_close(inside[rank * n : (rank + 1) * n], expected, rtol=1e-12,
+                               atol=1e-12)
     out = torch.empty(n, dtype=torch.float64)
     reduce_scatter(out, mine.clone())  # auto on gloo sums around the ring
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -24,12 +24,16 @@ class MemoryReport:
         grads: Gradient storage held between steps (full buffers in stage 1, slices in stage 2).
         master_params: fp32 master copies (0 when the masters are the working slices).
         optimizer_states: Tensors of the wrapped optimizer's state.
+        comm_buffers: Stage-2 bucket buffers kept for the next step's reductions (scratch
+            of at most two buckets, as DeepSpeed's IPG buckets; not model state, not in
+            :attr:`total`).
     """
 
     working_params: int
     grads: int
     master_params: int
     optimizer_states: int
+    comm_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -49,7 +53,8 @@ class MemoryReport:
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
-        return cls(working, opt.reducer.grad_bytes(), masters, states)
+        return cls(working, opt.reducer.grad_bytes(), masters, states,
+                   opt.reducer.buffer_bytes())
 
     def as_dict(self) -> dict[str, int]:
         """The report as a plain dict (with the total)."""
@@ -58,5 +63,6 @@ class MemoryReport:
             "grads": self.grads,
             "master_params": self.master_params,
             "optimizer_states": self.optimizer_states,
+            "comm_buffers": self.comm_buffers,
             "total": self.total,
         }

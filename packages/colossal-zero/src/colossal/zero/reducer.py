@@ -19,6 +19,9 @@ import torch.distributed as dist
 from colossal.core.comm import CommWork, all_reduce, reduce_scatter
 from colossal.zero.layout import Bucket, GroupLayout, ParamSlot
 
+KEEP_BUFFERS = 2
+"""Stage-2 bucket buffers kept between steps (each ``reduce_bucket_size`` elements at most)."""
+
 
 @dataclass
 class _BucketState:
@@ -82,6 +85,11 @@ class GradReducer:
             for lay in self.layouts
         ]
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # Stage 2 reuses memory across steps: fresh buffers of tens of MB cost page faults on
+        # every step (the allocator returns them to the OS). The gradient slices of the last
+        # step receive the next reduce-scatters; up to KEEP_BUFFERS bucket buffers are kept.
+        self._spare_shards: dict[int, torch.Tensor] = {}
+        self._spare_buffers: list[torch.Tensor] = []
         self._device = device
         # Stage 1 with gradients in the parameters' dtype: each param.grad is a view into the
         # flat buffer, so autograd accumulates in place (no per-step allocation, no copy).
@@ -132,10 +140,22 @@ class GradReducer:
         if self.sync and self.overlap and len(state.arrived) == len(bucket.slots):
             self._launch_ready()
 
+    def _bucket_buffer(self, size: int) -> torch.Tensor:
+        """A stage-2 bucket buffer of ``size`` elements: a kept one when one is large enough."""
+        for i, spare in enumerate(self._spare_buffers):
+            if spare.numel() >= size:
+                return self._spare_buffers.pop(i)[:size]
+        return torch.empty(size, dtype=self.comm_dtype, device=self._device)
+
+    def _keep_buffer(self, buffer: torch.Tensor) -> None:
+        base = buffer if buffer._base is None else buffer._base
+        if len(self._spare_buffers) < KEEP_BUFFERS and isinstance(base, torch.Tensor):
+            self._spare_buffers.append(base)
+
     def _region(self, bucket: Bucket, slot: ParamSlot, state: _BucketState) -> torch.Tensor:
         if self.partition_grad:
             if state.buffer is None:
-                state.buffer = torch.empty(bucket.size, dtype=self.comm_dtype, device=self._device)
+                state.buffer = self._bucket_buffer(bucket.size)
             lo = slot.offset - bucket.start
             return state.buffer[lo : lo + slot.numel]
         if state.reduced and not state.cleared:
@@ -170,7 +190,7 @@ class GradReducer:
         """Zero the regions of parameters that got no gradient, and the padding."""
         if self.partition_grad:
             if state.buffer is None:
-                state.buffer = torch.empty(bucket.size, dtype=self.comm_dtype, device=self._device)
+                state.buffer = self._bucket_buffer(bucket.size)
             buf, base, missing = state.buffer, bucket.start, state.arrived
         else:
             if state.reduced and not state.cleared:
@@ -190,9 +210,11 @@ class GradReducer:
         if self.partition_grad:
             buf = state.buffer
             assert buf is not None
-            out = torch.empty(
-                bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
-            )
+            out = self._spare_shards.pop(bucket.order, None)
+            if out is None:
+                out = torch.empty(
+                    bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
+                )
             work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
             post: Callable[[], None] | None = self._accumulate_shard(bucket, state, out)
         else:
@@ -211,6 +233,8 @@ class GradReducer:
         self, bucket: Bucket, state: _BucketState, out: torch.Tensor
     ) -> Callable[[], None]:
         def post() -> None:
+            if state.buffer is not None:
+                self._keep_buffer(state.buffer)
             state.buffer = None
             shard = out.to(device=self.shard_device, dtype=self.shard_dtype)
             current = self.grad_shards[bucket.order]
@@ -283,6 +307,10 @@ class GradReducer:
         """Forget all gradients (zero_grad / after a step)."""
         self.wait()
         self._states = [_BucketState() for _ in self.buckets]
+        for order, shard in enumerate(self.grad_shards):
+            if (shard is not None and shard.dtype == self.comm_dtype
+                    and shard.device == torch.device(self._device)):
+                self._spare_shards[order] = shard  # the next reduce-scatter writes into it
         self.grad_shards = [None] * len(self.buckets)
         self._next = 0
         if self.grad_views:
@@ -296,7 +324,12 @@ class GradReducer:
                     slot.param.grad = None
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds now."""
+        """Bytes of gradient storage this rank holds now (slices kept for the next step too)."""
         total = sum(t.numel() * t.element_size() for t in self.flat_grads if t is not None)
         total += sum(t.numel() * t.element_size() for t in self.grad_shards if t is not None)
+        total += sum(t.numel() * t.element_size() for t in self._spare_shards.values())
         return total
+
+    def buffer_bytes(self) -> int:
+        """Bytes of stage-2 bucket buffers kept for reuse (scratch, not model state)."""
+        return sum(t.numel() * t.element_size() for t in self._spare_buffers)

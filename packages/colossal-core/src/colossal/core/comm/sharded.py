@@ -91,15 +91,21 @@ def _ring_reduce_scatter(
 
 
 def _pair_exchange(
-    flat: torch.Tensor, n: int, key: Sequence[int], group: ProcessGroup | None
+    flat: torch.Tensor,
+    n: int,
+    key: Sequence[int],
+    group: ProcessGroup | None,
+    scratch: torch.Tensor | None,
 ) -> tuple[_WorkList, torch.Tensor]:
     """The ring of two ranks, asynchronous: send the peer's slice, receive ours into scratch.
 
-    Returns the send and receive (one work) and the scratch to add to this rank's slice.
+    Returns the send and receive (one work) and the scratch (``n`` elements: the given one,
+    else a new one) to add to this rank's slice.
     """
     position = key.index(dist.get_rank())
     peer = key[1 - position]
-    scratch = torch.empty(n, dtype=flat.dtype, device=flat.device)
+    if scratch is None:
+        scratch = torch.empty(n, dtype=flat.dtype, device=flat.device)
     theirs = flat[(1 - position) * n : (2 - position) * n]
     return _WorkList([
         dist.isend(theirs, peer, group=group, tag=_RING_TAG),
@@ -162,13 +168,19 @@ def reduce_scatter(
 
     def copy_slice() -> None:
         if received:
-            torch.add(flat_in[start : start + n], received.pop(), out=flat_out)
+            scratch = received.pop()
+            if scratch is flat_out:
+                flat_out.add_(flat_in[start : start + n])
+            else:
+                torch.add(flat_in[start : start + n], scratch, out=flat_out)
         else:
             flat_out.copy_(flat_in[start : start + n])
 
     def issue() -> Any:
         if chosen == "ring" and size == 2:
-            works, scratch = _pair_exchange(flat_in, n, key, group)
+            # the peer's half arrives in the output itself unless it overlaps the input
+            free = None if _overlaps(flat_out, flat_in) else flat_out
+            works, scratch = _pair_exchange(flat_in, n, key, group, free)
             received.append(scratch)
             if not async_op:
                 works.wait()

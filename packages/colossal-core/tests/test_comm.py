@@ -87,6 +87,26 @@ def test_collectives_values_and_bytes(rank: int, world_size: int, algorithm: str
 
 
 @distributed_test(2, 4)
+def test_all_gather_object_small_and_large_pickles(rank: int, world_size: int) -> None:
+    """Catches a slot that truncates or mixes payloads, lengths read from the wrong rank, and
+    a second round entered by some ranks only (it would hang or mismatch)."""
+    from colossal.core.comm.ops import INLINE_OBJECT_BYTES
+
+    def make(case: int, r: int) -> object:
+        """Rank ``r``'s object in ``case``."""
+        return [
+            None,
+            b"",
+            {"rank": r, "pieces": [(f"f{r}", i, i * 3) for i in range(r + 1)]},
+            bytes(range(256)) * (INLINE_OBJECT_BYTES // 256),  # close to the slot's size
+            b"x" * (INLINE_OBJECT_BYTES * 3 + r) if r == world_size - 1 else r,  # two rounds
+        ][case]
+
+    for case in range(5):
+        assert all_gather_object(make(case, rank)) == [make(case, r) for r in range(world_size)]
+
+
+@distributed_test(2, 4)
 def test_point_to_point_and_batch(rank: int, world_size: int) -> None:
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     with CommTracker() as tracker:

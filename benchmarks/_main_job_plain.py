@@ -60,29 +60,12 @@ def train(iters: int, threads: int, batch_size: int, eval_iters: int) -> dict[st
     """Train the example's model in this process; per-iteration times and the final val loss."""
     torch.set_num_threads(threads)
     ex = _example()
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     args = ex.parse_args(["--iters", str(iters), "--eval-iters", str(eval_iters)])
     eval_args = argparse.Namespace(**vars(args))  # evaluation batches: the global batch
-    text = ex.load_text(args.data)
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    train_data, val_data = data[:split], data[split:]
-
-    config = GPT2Config(
-        vocab_size=len(chars),
-        n_positions=args.block,
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        resid_pdrop=args.dropout,
-        embd_pdrop=args.dropout,
-        attn_pdrop=args.dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    vocab, train_data, val_data = ex.load_data(args.data)
+    config = ex.gpt2_config(args, vocab)
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(config)
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -119,6 +119,34 @@ def load_text(path: str | None) -> str:
     return "\n".join(parts)
 
 
+def load_data(path: str | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The vocabulary size and the train / validation characters (90% / 10%) as ids."""
+    text = load_text(path)
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    return len(chars), data[:split], data[split:]
+
+
+def gpt2_config(args: argparse.Namespace, vocab_size: int):
+    """The ``GPT2Config`` of the model the arguments describe."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=args.block,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=args.dropout,
+        embd_pdrop=args.dropout,
+        attn_pdrop=args.dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
 def make_booster(args: argparse.Namespace) -> Booster:
     if args.plugin == "ddp":
         mp = None if args.precision == "fp32" else args.precision
@@ -215,27 +243,10 @@ def main(argv: list[str] | None = None) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    text = load_text(args.data)
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    train_data, val_data = data[:split], data[split:]
-
-    config = GPT2Config(
-        vocab_size=len(chars),
-        n_positions=args.block,
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        resid_pdrop=args.dropout,
-        embd_pdrop=args.dropout,
-        attn_pdrop=args.dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    vocab, train_data, val_data = load_data(args.data)
+    config = gpt2_config(args, vocab)
     torch.manual_seed(args.seed)
     if args.lazy:
         with LazyInitContext():

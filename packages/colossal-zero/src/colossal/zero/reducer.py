@@ -148,9 +148,8 @@ class GradReducer:
         return torch.empty(size, dtype=self.comm_dtype, device=self._device)
 
     def _keep_buffer(self, buffer: torch.Tensor) -> None:
-        base = buffer if buffer._base is None else buffer._base
-        if len(self._spare_buffers) < KEEP_BUFFERS and isinstance(base, torch.Tensor):
-            self._spare_buffers.append(base)
+        if len(self._spare_buffers) < KEEP_BUFFERS:
+            self._spare_buffers.append(buffer if buffer._base is None else buffer._base)
 
     def _region(self, bucket: Bucket, slot: ParamSlot, state: _BucketState) -> torch.Tensor:
         if self.partition_grad:

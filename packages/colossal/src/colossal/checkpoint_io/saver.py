@@ -132,12 +132,12 @@ class ShardedSaver:
         # Global sizes from shape and dtype: tensors and colossal.core.ShardedTensor alike.
         sizes = [(n, math.prod(t.shape) * t.dtype.itemsize) for n, t in tensors.items()]
         limit = size_per_shard_mb * 1024**2
-        if in_place and not use_async and world > 1 and supports_in_place(tensors):
+        in_place = in_place and not use_async and supports_in_place(tensors)
+        if in_place and world > 1:
             # At least one file per rank: the ranks start on different files (inplace.py), as
             # writers to one file share its inode lock.
             limit = min(limit, -(-sum(s for _, s in sizes) // world))
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
-        in_place = in_place and not use_async and supports_in_place(tensors)
         # Rank 0 alone checks the directory and reads the committed index; all take its plan
         # (for an in-place save rank 0 has also created the files: the plan holds their token).
         plan = _plan(path, prefix, index_name, shards, tensors if in_place else None) \
@@ -365,9 +365,10 @@ def _plan(
 ) -> dict[str, Any] | OSError:
     """Rank 0's preparation: the directory, a fresh staging folder, the new file names.
 
-    Also leaves the token of the shared-directory check in the staging folder and, for an
-    in-place save of the tensors ``in_place``, creates the files (their token in the plan).
-    Returns the error instead of raising it, so that every rank can raise it.
+    For an in-place save of the tensors ``in_place`` it also creates the files (their token
+    in the plan: a rank that cannot see them fails the save); otherwise it leaves the token of
+    the shared-directory check in the staging folder. Returns the error instead of raising
+    it, so that every rank can raise it.
     """
     try:
         created = prepare_directory(path)
@@ -375,10 +376,13 @@ def _plan(
         durable.remove(staging)  # meta files of an interrupted save
         os.makedirs(staging)
         files = choose_file_names(path, index_name, prefix, len(shards))
-        shared = os.urandom(16).hex()
-        with open(os.path.join(staging, _SHARED_CHECK), "w", encoding="ascii") as file:
-            file.write(shared)
-        token = create_files(path, in_place, files, shards) if in_place is not None else None
+        shared = token = None
+        if in_place is not None:
+            token = create_files(path, in_place, files, shards)
+        else:
+            shared = os.urandom(16).hex()
+            with open(os.path.join(staging, _SHARED_CHECK), "w", encoding="ascii") as file:
+                file.write(shared)
     except OSError as err:
         return err
     return {"created": created, "files": files, "shared": shared, "token": token}

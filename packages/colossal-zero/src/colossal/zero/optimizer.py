@@ -67,9 +67,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         master_weights: Keep fp32 master weights for fp16/bf16 parameters.
         tp_process_group: Extra group the gradient norm is summed over (tensor parallel).
         pp_process_group: Extra group the gradient norm is summed over (pipeline stages).
-        overlap_allgather: Return from ``step`` before the parameter all-gather ends and let
-            the next forward wait for each module's parameters just in time. Read parameters
-            outside a forward only after :meth:`wait_params`.
+        overlap_allgather: Return from ``step`` before the parameter all-gather ends; the
+            next forward (or any other read of a parameter) waits for each parameter's bucket
+            just in time (see :mod:`colossal.zero.param_gather`). On by default.
         verbose: Log overflows and scale changes at INFO level.
         scaler_config: The fp16 loss scaler's settings as one ``ScalerConfig`` (instead of
             the seven keyword settings above).
@@ -102,7 +102,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         master_weights: bool = True,
         tp_process_group: dist.ProcessGroup | None = None,
         pp_process_group: dist.ProcessGroup | None = None,
-        overlap_allgather: bool = False,
+        overlap_allgather: bool = True,
         verbose: bool = False,
         scaler_config: ScalerConfig | None = None,
     ) -> None:

@@ -1,9 +1,19 @@
 """All-gathering the updated parameter slices after a step, optionally behind the next forward.
 
 With ``overlap=True`` the all-gathers are started in forward order (the buckets of the first
-layers first) and the step returns at once; a global module forward pre-hook waits, just in
-time, for the buckets holding the parameters of each module about to run. Parameters must
-then be read through their module's forward (or after :meth:`ParamGatherer.wait_all`).
+layers first) and the step returns at once. Two things then wait, just in time, for the bucket
+holding a parameter about to be read:
+
+* a global module forward pre-hook, for the parameters each module owns directly;
+* :class:`PendingReadMode`, a ``TorchFunctionMode`` pushed by the step, for every other read
+  of a parameter whose bucket has not arrived: a tied weight read by another module, a
+  parameter read in a parent's forward, ``state_dict()``, ``p.norm()`` or ``p.copy_(...)``
+  between the step and the next forward. A read never sees stale values.
+
+The mode leaves the stack at the first safe point after the last bucket arrived (a module
+call or a wait outside the mode, with the mode on top of the stack). When another function
+mode is active at the step, the step waits for its all-gathers instead (the two modes' stack
+order could not be kept).
 """
 
 from __future__ import annotations
@@ -14,10 +24,66 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from colossal.core.comm import CommWork, all_gather
+from colossal.core.tensor_reads import METADATA_GETTERS
 from colossal.zero.layout import Bucket
+
+# Calls that never read a parameter's values: attribute reads, shape queries and setting or
+# dropping its gradient (``zero_grad`` runs between the step and the next forward).
+_NO_VALUE_READS = METADATA_GETTERS | frozenset(
+    [
+        torch.Tensor.grad.__set__,
+        torch.Tensor.grad.__delete__,
+        torch.Tensor.shape.__get__,
+        torch.Tensor.ndim.__get__,
+        torch.Tensor.requires_grad.__set__,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.element_size,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.data_ptr,
+    ]
+)
+
+
+class PendingReadMode(TorchFunctionMode):
+    """Waits for a parameter's bucket before any torch function reads the parameter.
+
+    Args:
+        gatherer: The gatherer whose outstanding all-gathers guard the reads.
+    """
+
+    def __init__(self, gatherer: ParamGatherer) -> None:
+        super().__init__()
+        self._gatherer = gatherer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        gatherer = self._gatherer
+        if gatherer.pending and func not in _NO_VALUE_READS:
+            gatherer.in_mode = True
+            try:
+                for a in args:
+                    if type(a) is list or type(a) is tuple:
+                        for b in a:
+                            gatherer.wait_for(b)
+                    else:
+                        gatherer.wait_for(a)
+                for a in kwargs.values():
+                    gatherer.wait_for(a)
+            finally:
+                gatherer.in_mode = False
+        return func(*args, **kwargs)
 
 
 class ParamGatherer:
@@ -50,6 +116,13 @@ class ParamGatherer:
         self._bucket_of = {id(s.param): b.order for b in self.buckets for s in b.slots}
         self._pending: dict[int, CommWork | None] = {}  # insertion order = issue order
         self._hook: RemovableHandle | None = None
+        self._mode: PendingReadMode | None = None
+        self.in_mode = False  # True while the mode's handler waits (it cannot leave then)
+
+    @property
+    def pending(self) -> bool:
+        """Whether some bucket's all-gather has not been waited for."""
+        return bool(self._pending)
 
     def gather(self) -> None:
         """Start the all-gather of every bucket (and wait, unless overlapping)."""
@@ -65,17 +138,26 @@ class ParamGatherer:
                 self._pending[bucket.order] = all_gather(
                     region, flat[lo:hi], group=self.group, async_op=True
                 )
-        if not self.overlap:
+        if not self.overlap or (self._mode is None and torch._C._len_torch_function_stack()):
             self.wait_all()
-        elif self._hook is None:
+            return
+        if self._mode is None:
+            self._mode = PendingReadMode(self)
+            self._mode.__enter__()
+        if self._hook is None:
             self._hook = nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         for param in module._parameters.values():
             if param is not None:
-                order = self._bucket_of.get(id(param))
-                if order is not None and order in self._pending:
-                    self.wait_until(order)
+                self.wait_for(param)
+        self._leave_when_done()
+
+    def wait_for(self, tensor: object) -> None:
+        """Wait for the bucket of ``tensor`` if it is a parameter whose bucket is in flight."""
+        order = self._bucket_of.get(id(tensor))
+        if order is not None and order in self._pending:
+            self.wait_until(order)
 
     def wait_until(self, order: int) -> None:
         """Wait for the all-gathers issued up to and including bucket ``order``."""
@@ -86,7 +168,23 @@ class ParamGatherer:
                 work.wait()
             if done == order:
                 break
-        if not self._pending and self._hook is not None:
+        self._leave_when_done()
+
+    def _leave_when_done(self) -> None:
+        """Pop the mode and drop the hook once nothing is in flight, where that is safe."""
+        if self._pending or self.in_mode:
+            return
+        if self._mode is not None:
+            stack = [
+                torch._C._get_function_stack_at(i)
+                for i in range(torch._C._len_torch_function_stack())
+            ]
+            if stack and stack[-1] is self._mode:
+                self._mode.__exit__(None, None, None)
+            elif any(mode is self._mode for mode in stack):
+                return  # another mode is above ours: leave at a later safe point
+            self._mode = None
+        if self._hook is not None:
             self._hook.remove()
             self._hook = None
 

@@ -101,7 +101,7 @@ class GradReducer:
     def _view(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
         flat = self.flat_grads[bucket.group]
         assert flat is not None
-        return flat[slot.offset : slot.end].view_as(slot.param)
+        return flat[slot.offset : slot.end].view(slot.param.shape)
 
     def _attach_views(self) -> None:
         for bucket in self.buckets:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.overrides import TorchFunctionMode
 
+from colossal.core.tensor_reads import METADATA_GETTERS
 from colossal.gemini.chunk import TensorState
 
 if TYPE_CHECKING:
@@ -45,14 +45,6 @@ class _Derived:
 
 
 DERIVED = _Derived()
-
-# Attribute reads that do not look at the payload (a released parameter answers them right).
-METADATA_GETTERS = frozenset(
-    getattr(torch.Tensor, name).__get__
-    for name in ("dtype", "device", "requires_grad", "is_leaf", "grad_fn", "grad", "layout",
-                 "is_cuda", "is_meta", "is_sparse", "is_quantized", "name", "_version")
-    if hasattr(torch.Tensor, name)
-)
 
 
 class OutsideUseMode(TorchFunctionMode):

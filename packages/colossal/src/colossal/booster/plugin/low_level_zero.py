@@ -109,6 +109,9 @@ class LowLevelZeroPlugin(DPPluginBase):
         reduce_bucket_size_in_m: Gradient bucket size in millions of elements.
         communication_dtype: dtype gradients are reduced in (the params' by default).
         overlap_communication: Reduce buckets during backward.
+        overlap_allgather: Let the next forward overlap the parameter all-gather after a step
+            (every read of a parameter still waits for its own bucket). On by default
+            (ColossalAI's default is off; ours is safe to read at any time).
         cpu_offload: Keep masters, their gradients and optimizer states on the CPU.
         master_weights: Keep fp32 master weights under fp16/bf16.
         verbose: Log overflows.
@@ -132,6 +135,7 @@ class LowLevelZeroPlugin(DPPluginBase):
         reduce_bucket_size_in_m: int = 12,
         communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = True,
+        overlap_allgather: bool = True,
         cpu_offload: bool = False,
         master_weights: bool = True,
         verbose: bool = False,
@@ -164,6 +168,7 @@ class LowLevelZeroPlugin(DPPluginBase):
             "reduce_bucket_size": int(reduce_bucket_size_in_m * 1024**2),
             "communication_dtype": communication_dtype,
             "overlap_communication": overlap_communication,
+            "overlap_allgather": overlap_allgather,
             "cpu_offload": cpu_offload,
             "master_weights": master_weights,
             "verbose": verbose,

@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from colossal.core.comm import CommWork, all_gather
+from colossal.core.comm import CommWork, all_gather, shm
 from colossal.core.tensor_reads import METADATA_GETTERS
 from colossal.zero.layout import Bucket
 
@@ -112,7 +112,11 @@ class ParamGatherer:
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        self.overlap = overlap
+        # Through shared memory (one host) a synchronous all-gather beats an overlapped one
+        # (an asynchronous call would take gloo).
+        self.overlap = overlap and not (
+            world_size > 1 and flat_params and shm.available(group, flat_params[0])
+        )
         self._bucket_of = {id(s.param): b.order for b in self.buckets for s in b.slots}
         self._pending: dict[int, CommWork | None] = {}  # insertion order = issue order
         self._hook: RemovableHandle | None = None
@@ -136,7 +140,7 @@ class ParamGatherer:
                 lo, hi = bucket.shard_range(self.rank, self.world_size)
                 region = flat[bucket.start : bucket.start + bucket.size]
                 self._pending[bucket.order] = all_gather(
-                    region, flat[lo:hi], group=self.group, async_op=True
+                    region, flat[lo:hi], group=self.group, async_op=self.overlap
                 )
         if not self.overlap or (self._mode is None and torch._C._len_torch_function_stack()):
             self.wait_all()

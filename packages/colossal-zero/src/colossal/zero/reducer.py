@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from colossal.core.comm import CommWork, all_reduce, reduce_scatter
+from colossal.core.comm import CommWork, all_reduce, reduce_scatter, shm
 from colossal.zero.layout import Bucket, GroupLayout, ParamSlot
 
 KEEP_BUFFERS = 2
@@ -75,6 +75,14 @@ class GradReducer:
         self.shard_dtype = shard_dtype
         self.shard_device = shard_device
         self.overlap = overlap
+        # Stage 2 through shared memory (ranks of one host) reduce-scatters synchronously:
+        # faster than gloo's even overlapped (an asynchronous call would take gloo). Stage 1
+        # all-reduces stay asynchronous: through shared memory every rank would read every
+        # rank's whole bucket, slower than gloo's overlapped ring at 50M parameters.
+        self._async_ok = not (
+            partition_grad
+            and shm.available(group, torch.empty(0, dtype=comm_dtype, device=device))
+        )
         self.sync = True
         self._states = [_BucketState() for _ in self.buckets]
         self._next = 0
@@ -204,6 +212,7 @@ class GradReducer:
             buf[bucket.used :].zero_()
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        async_op = async_op and self._async_ok
         state = self._states[bucket.order]
         self._fill_missing(bucket, state)
         if self.partition_grad:

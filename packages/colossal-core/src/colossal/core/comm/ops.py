@@ -94,7 +94,27 @@ def all_reduce(
     group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> CommWork | None:
-    """Reduce ``tensor`` in place across ``group``."""
+    """Reduce ``tensor`` in place across ``group``.
+
+    A synchronous sum of a contiguous CPU tensor over ranks of one host goes through shared
+    memory (:mod:`colossal.core.comm.shm`), else through the group's backend.
+    """
+    from colossal.core.comm import shm  # here: shm builds on this module
+
+    with comm_guard("all_reduce", group_ranks(group)):  # the first call sets shm up
+        use_shm = (
+            not async_op
+            and op == ReduceOp.SUM
+            and tensor.is_contiguous()
+            and shm.available(group, tensor)
+        )
+    if use_shm:
+        channel = shm.channel(group, group_ranks(group))
+        assert channel is not None
+        return _run(
+            "all_reduce", group, _nbytes(tensor), _dtype(tensor),
+            lambda: channel.all_reduce(tensor.view(-1)), False,
+        )
     return _run(
         "all_reduce",
         group,

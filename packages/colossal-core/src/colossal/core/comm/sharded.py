@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from colossal.core.comm import shm
+from colossal.core.comm.errors import comm_guard
 from colossal.core.comm.ops import CommWork, _dtype, _nbytes, _run, group_ranks
 
-ALGORITHMS = ("auto", "native", "all_reduce", "rooted", "ring")
+ALGORITHMS = ("auto", "native", "all_reduce", "rooted", "ring", "shm")
 
 _RING_TAG = 0x5253  # p2p tag of the ring reduce-scatter's messages (apart from other sends)
 
@@ -46,12 +48,38 @@ class _WorkList:
         raise NotImplementedError("a rooted collective has no single future; call wait()")
 
 
-def _choose(algorithm: str, group: ProcessGroup | None, gloo_default: str = "rooted") -> str:
+def _choose(
+    algorithm: str,
+    group: ProcessGroup | None,
+    gloo_default: str = "rooted",
+    tensor: torch.Tensor | None = None,
+    async_op: bool = True,
+    kind: str = "",
+) -> str:
+    """The algorithm to run for ``algorithm`` (``"auto"`` resolved).
+
+    ``"auto"`` takes shared memory for synchronous calls on CPU tensors when the group's
+    ranks share a host. Never for asynchronous ones: they must not block, as the caller may
+    issue other groups' collectives first (in another order on another rank).
+    """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm == "auto":
-        return gloo_default if dist.get_backend(group) == "gloo" else "native"
-    return algorithm
+    if algorithm != "auto":
+        return algorithm
+    if dist.get_backend(group) != "gloo":
+        return "native"
+    if not async_op and tensor is not None:
+        with comm_guard(kind, group_ranks(group)):  # the first call sets shm up
+            if shm.available(group, tensor):
+                return "shm"
+    return gloo_default
+
+
+def _shm_channel(group: ProcessGroup | None, key: tuple[int, ...]) -> shm.ShmChannel:
+    found = shm.channel(group, key)
+    if found is None:
+        raise ValueError("algorithm='shm' needs every rank of the group on this host")
+    return found
 
 
 class _Done:
@@ -152,9 +180,15 @@ def reduce_scatter(
     # On gloo a ring of more than two ranks runs step by step before returning: only for
     # synchronous sums (an asynchronous one must not block other groups' collectives).
     ring_ok = op == ReduceOp.SUM and (size == 2 or not async_op)
-    chosen = _choose(algorithm, group, "ring" if ring_ok else "rooted")
-    if chosen == "ring" and op != ReduceOp.SUM:
-        raise ValueError(f"reduce_scatter: algorithm='ring' only sums, got op={op}; use 'rooted'")
+    chosen = _choose(
+        algorithm, group, "ring" if ring_ok else "rooted", input, async_op, "reduce_scatter"
+    )
+    if chosen == "shm" and op != ReduceOp.SUM:
+        chosen = "rooted" if algorithm == "auto" else chosen
+    if chosen in ("ring", "shm") and op != ReduceOp.SUM:
+        raise ValueError(
+            f"reduce_scatter: algorithm={chosen!r} only sums, got op={op}; use 'rooted'"
+        )
     record = ("reduce_scatter", group, _nbytes(input), _dtype(input))
     if chosen == "native":
         return _run(
@@ -175,6 +209,13 @@ def reduce_scatter(
                 torch.add(flat_in[start : start + n], scratch, out=flat_out)
         else:
             flat_out.copy_(flat_in[start : start + n])
+
+    if chosen == "shm":
+        return _run(
+            *record,
+            lambda: _shm_channel(group, key).reduce_scatter(flat_out, flat_in) or _Done(),
+            async_op,
+        )
 
     def issue() -> Any:
         if chosen == "ring" and size == 2:
@@ -234,7 +275,7 @@ def all_gather(
             f"gathers {size} x input ({n}) = {size * n}; gloo cannot "
             "gather uneven sizes, pad the inputs to equal size"
         )
-    chosen = _choose(algorithm, group)
+    chosen = _choose(algorithm, group, tensor=output, async_op=async_op, kind="all_gather")
     if chosen == "ring":
         raise ValueError("all_gather: algorithm='ring' only reduce-scatters; use 'rooted'")
     record = ("all_gather", group, _nbytes(output), _dtype(output))
@@ -242,6 +283,13 @@ def all_gather(
         return _run(
             *record,
             lambda: _all_gather_flat(output, input, group=group, async_op=async_op),
+            async_op,
+        )
+    if chosen == "shm":
+        flat_in, flat_out = input.reshape(-1), output.view(-1)
+        return _run(
+            *record,
+            lambda: _shm_channel(group, key).all_gather(flat_out, flat_in) or _Done(),
             async_op,
         )
     start = key.index(dist.get_rank()) * n

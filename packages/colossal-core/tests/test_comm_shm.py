@@ -102,3 +102,24 @@ def test_dead_peer_raises_instead_of_hanging() -> None:
     assert "rank 0: all_reduce on group [0, 1] failed" in message
     assert "did not arrive" in message
     assert time.monotonic() - started < 20, "rank 0 waited for the sleeper instead of its timeout"
+
+
+@distributed_test(2, 4)
+def test_barrier_and_object_gather(rank: int, world_size: int) -> None:
+    from colossal.core.comm import all_gather_object, barrier
+
+    folder = os.path.join("/tmp", f"colossal-shm-barrier-{os.getppid()}")
+    os.makedirs(folder, exist_ok=True)
+    if rank == world_size - 1:
+        time.sleep(0.3)  # the last rank arrives late: a barrier that does not wait shows
+    open(os.path.join(folder, f"rank{rank}"), "w").close()
+    barrier()
+    assert len(os.listdir(folder)) == world_size, "left the barrier before every rank arrived"
+    barrier()
+    if rank == 0:
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+    assert all_gather_object({"rank": rank, "pad": "x" * 5000 * rank}) == [
+        {"rank": r, "pad": "x" * 5000 * r} for r in range(world_size)
+    ]

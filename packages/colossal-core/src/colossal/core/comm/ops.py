@@ -88,6 +88,18 @@ def _run(
     return None
 
 
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _shm_channel(kind: str, group: ProcessGroup | None, tensor: torch.Tensor) -> Any:
+    """The group's shared-memory channel for a synchronous ``kind`` of ``tensor``, or None."""
+    from colossal.core.comm import shm  # here: shm builds on this module
+
+    key = group_ranks(group)
+    with comm_guard(kind, key):  # the first call for a group sets the channel up
+        return shm.channel(group, key) if shm.available(group, tensor) else None
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp.RedOpType = ReduceOp.SUM,
@@ -99,18 +111,12 @@ def all_reduce(
     A synchronous sum of a contiguous CPU tensor over ranks of one host goes through shared
     memory (:mod:`colossal.core.comm.shm`), else through the group's backend.
     """
-    from colossal.core.comm import shm  # here: shm builds on this module
-
-    with comm_guard("all_reduce", group_ranks(group)):  # the first call sets shm up
-        use_shm = (
-            not async_op
-            and op == ReduceOp.SUM
-            and tensor.is_contiguous()
-            and shm.available(group, tensor)
-        )
-    if use_shm:
-        channel = shm.channel(group, group_ranks(group))
-        assert channel is not None
+    channel = (
+        _shm_channel("all_reduce", group, tensor)
+        if not async_op and op == ReduceOp.SUM and tensor.is_contiguous()
+        else None
+    )
+    if channel is not None:
         return _run(
             "all_reduce", group, _nbytes(tensor), _dtype(tensor),
             lambda: channel.all_reduce(tensor.view(-1)), False,
@@ -184,7 +190,14 @@ def all_to_all(
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
-    """Wait until every rank of ``group`` reaches this point."""
+    """Wait until every rank of ``group`` reaches this point.
+
+    Through shared memory when the group's ranks share a host, else the backend's barrier.
+    """
+    channel = _shm_channel("barrier", group, _EMPTY)
+    if channel is not None:
+        _run("barrier", group, 0, "none", channel.barrier, False)
+        return
     _run("barrier", group, 0, "none", lambda: dist.barrier(group=group), False)
 
 
@@ -310,17 +323,27 @@ def _gather_bytes(data: bytes, group: ProcessGroup | None, size: int) -> list[by
     mine[:_LENGTH] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
     if len(data) <= INLINE_OBJECT_BYTES:
         mine[_LENGTH : _LENGTH + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    slots = [torch.empty(slot, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(slots, mine, group=group)
+    slots = _gather_equal(mine, group, size)
     lengths = [int(s[:_LENGTH].view(torch.int64)) for s in slots]
     if max(lengths) <= INLINE_OBJECT_BYTES:
         return [_bytes_of(s[_LENGTH:], n) for s, n in zip(slots, lengths, strict=True)]
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    payloads = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(payloads, padded, group=group)
+    payloads = _gather_equal(padded, group, size)
     return [_bytes_of(p, n) for p, n in zip(payloads, lengths, strict=True)]
+
+
+def _gather_equal(mine: torch.Tensor, group: ProcessGroup | None, size: int) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (equal sizes), through shared memory when the ranks share it."""
+    channel = _shm_channel("all_gather_object", group, mine)
+    if channel is not None:
+        flat = torch.empty(size * mine.numel(), dtype=mine.dtype)
+        channel.all_gather(flat, mine)
+        return list(flat.view(size, -1))
+    out = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(out, mine, group=group)
+    return out
 
 
 def _bytes_of(tensor: torch.Tensor, n: int) -> bytes:

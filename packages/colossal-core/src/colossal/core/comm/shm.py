@@ -119,6 +119,10 @@ class ShmChannel:
             mine = buf[:, : self.size * m].view(self.size, self.size, m)[:, self.position]
             torch.sum(mine, dim=0, out=out[lo:hi])
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group reaches this point."""
+        self._publish_and_wait()
+
     def all_reduce(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over ranks in place; every rank adds in rank order (equal results)."""
         n = flat.numel()

@@ -30,7 +30,7 @@ from colossal.core.comm.ops import group_ranks
 
 __all__ = ["ShmChannel", "available", "channel", "supported"]
 
-SLOT_BYTES = 8 * 1024**2  # per rank and buffer
+SLOT_BYTES = 4 * 1024**2  # per rank and buffer (a group of W ranks maps 8 W MB)
 _LINE = 64  # bytes per counter: one cache line each, no false sharing
 _SPIN = 200  # checks between yields of the core
 _DIR = "/dev/shm"
@@ -154,13 +154,12 @@ def _map_shared(
     first = ranks.index(dist.get_rank()) == 0
     names: list[str | None] = [None]
     if first:
-        names[0] = os.path.join(_DIR, f"colossal-comm-{uuid.uuid4().hex}")
-        with open(names[0], "wb") as fh:
-            fh.truncate(total)
+        names[0] = _create(total)
     try:
         dist.broadcast_object_list(names, src=ranks[0], group=group)
         path = names[0]
-        assert path is not None
+        if path is None:
+            return None  # no room in /dev/shm
         raw: torch.Tensor | None = None
         if os.path.exists(path):  # else another host's /dev/shm (mapping would create a file)
             try:
@@ -170,9 +169,27 @@ def _map_shared(
         mapped: list[bool | None] = [None] * len(ranks)
         dist.all_gather_object(mapped, raw is not None, group=group)
     finally:
-        if first:  # every rank has mapped it, given up or failed: nothing left behind
+        if first and names[0] is not None:  # all have mapped it, given up or failed
             os.unlink(names[0])
     return raw if all(mapped) else None
+
+
+def _create(total: int) -> str | None:
+    """A new ``/dev/shm`` file with ``total`` bytes reserved, or None when there is no room.
+
+    Reserving up front turns a full ``/dev/shm`` (64 MB in a default container) into a
+    fallback to gloo here instead of a SIGBUS at the first write.
+    """
+    path = os.path.join(_DIR, f"colossal-comm-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None
+    os.close(fd)
+    return path
 
 
 def _timeout_of(group: ProcessGroup) -> float:
@@ -210,6 +227,6 @@ def available(group: ProcessGroup | None, tensor: torch.Tensor) -> bool:
     """
     if len(group_ranks(group)) < 2 or tensor.device.type != "cpu" or not supported():
         return False
-    if dist.get_backend(group) != "gloo":
+    if tensor.dtype == torch.bool or dist.get_backend(group) != "gloo":
         return False
     return channel(group, group_ranks(group)) is not None

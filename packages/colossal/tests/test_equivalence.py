@@ -42,8 +42,10 @@ from colossal.core.testing import distributed_test, relative_error
 STEPS = 4
 #: AdamW's learning rate: large enough that every parameter moves well beyond the tolerance.
 LR = 3e-2
-#: Per-tensor relative error allowed against the fp32 reference (losses likewise).
-TOL = {"fp32": 1e-5, "bf16": 4e-2, "fp16": 2e-3}
+#: Per-tensor relative error allowed against the fp32 reference (losses likewise). fp32:
+#: the ranks' gradients are summed in another order than one process sums its batch, and
+#: AdamW amplifies that in near-zero gradients (up to 1.1e-5 at world 4, shared-memory sums).
+TOL = {"fp32": 3e-5, "bf16": 4e-2, "fp16": 2e-3}
 #: Every parameter of the reference moves by more than this many tolerances.
 MOVE_FACTOR = 3.0
 PRECISIONS = {

@@ -3,8 +3,9 @@
 On gloo, ``algorithm="auto"`` gathers with the *rooted* form (a broadcast rooted at each rank
 for its slice) and sums-and-scatters around a *ring* of point-to-point messages, because
 gloo's native reduce-scatter and all-gather are slower than them (and than one all-reduce);
-other backends use their own. The measurements are in
-colossal-core's CHANGELOG.
+other backends use their own. Synchronous calls on CPU tensors of ranks that share a host go
+through shared memory instead (:mod:`colossal.core.comm.shm`, ``"shm"``). The measurements
+are in colossal-core's CHANGELOG.
 Whatever the algorithm, the comm tracker records one logical collective and its full size.
 """
 
@@ -160,8 +161,9 @@ def reduce_scatter(
     """Reduce the flat ``input`` across ``group`` and keep this rank's equal slice in ``output``.
 
     The contents of ``input`` are unspecified afterwards (the emulated algorithms reduce in
-    place and copy this rank's slice out). ``algorithm``: ``"auto"`` (on gloo the ring for
-    sums of two ranks and for synchronous sums of more, else rooted; native elsewhere),
+    place and copy this rank's slice out). ``algorithm``: ``"auto"`` (on gloo shared memory
+    for synchronous sums of ranks on one host, the ring for sums of two ranks and for
+    synchronous sums of more, else rooted; native elsewhere), ``"shm"``,
     ``"native"``, ``"all_reduce"``, ``"rooted"`` (one reduce per rank) or ``"ring"``
     (``size - 1`` point-to-point steps, sums only; asynchronous for two ranks, for more it
     completes before returning, also with ``async_op``).
@@ -259,7 +261,8 @@ def all_gather(
     """Gather every rank's equal-size ``input`` into the flat ``output`` (rank order).
 
     ``input`` may be a view into ``output`` (at this rank's slot or anywhere else).
-    ``algorithm``: ``"auto"`` (rooted on gloo, native elsewhere), ``"native"``,
+    ``algorithm``: ``"auto"`` (on gloo shared memory for synchronous calls of ranks on one
+    host, else rooted; native elsewhere), ``"shm"``, ``"native"``,
     ``"all_reduce"`` (zero-filled output summed; exact, though ``-0.0`` arrives as ``0.0``) or
     ``"rooted"`` (one broadcast per rank).
 

@@ -61,6 +61,7 @@ def test_auto_takes_shm_only_when_synchronous(rank: int, world_size: int) -> Non
 
 @distributed_test(2, 4)
 def test_public_ops_in_place_and_no_file_left(rank: int, world_size: int) -> None:
+    before = set(glob.glob("/dev/shm/colossal-comm-*"))  # other processes' are not ours
     n = 5
     flat = torch.cat([_rank_data(rank, n, torch.float32) for _ in range(world_size)])
     flat += rank
@@ -82,7 +83,24 @@ def test_public_ops_in_place_and_no_file_left(rank: int, world_size: int) -> Non
     assert torch.equal(x, torch.full((3,), float(sum(range(world_size)))))
     dist.barrier()
     assert shm.channel(None, tuple(range(world_size))) is not None
-    assert not glob.glob("/dev/shm/colossal-comm-*"), "a mapped file was left in /dev/shm"
+    left = set(glob.glob("/dev/shm/colossal-comm-*")) - before
+    assert not left, f"mapped files were left in /dev/shm: {left}"
+
+
+def test_orphans_of_dead_creators_are_removed() -> None:
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    orphan = f"/dev/shm/colossal-comm-{dead}-test"
+    live = f"/dev/shm/colossal-comm-{os.getpid()}-test"
+    for path in (orphan, live):
+        open(path, "wb").close()
+    try:
+        shm._remove_orphans()
+        assert not os.path.exists(orphan), "a dead creator's file was kept"
+        assert os.path.exists(live), "a live creator's file was removed"
+    finally:
+        for path in (orphan, live):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _rank_one_skips(rank: int, world_size: int) -> None:

@@ -17,6 +17,7 @@ and gloo is used. ``COLOSSAL_SHM_COMM=0`` turns shared memory off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -34,6 +35,7 @@ SLOT_BYTES = 4 * 1024**2  # per rank and buffer (a group of W ranks maps 8 W MB)
 _LINE = 64  # bytes per counter: one cache line each, no false sharing
 _SPIN = 200  # checks between yields of the core
 _DIR = "/dev/shm"
+_PREFIX = "colossal-comm-"  # then the creator's pid and a random suffix
 _channels: dict[ProcessGroup, ShmChannel | None] = {}
 
 
@@ -174,13 +176,25 @@ def _map_shared(
     return raw if all(mapped) else None
 
 
+def _remove_orphans() -> None:
+    """Unlink files left by creators that died between creating and unlinking them."""
+    for name in os.listdir(_DIR):
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(_DIR, name))
+
+
 def _create(total: int) -> str | None:
     """A new ``/dev/shm`` file with ``total`` bytes reserved, or None when there is no room.
 
     Reserving up front turns a full ``/dev/shm`` (64 MB in a default container) into a
     fallback to gloo here instead of a SIGBUS at the first write.
     """
-    path = os.path.join(_DIR, f"colossal-comm-{uuid.uuid4().hex}")
+    _remove_orphans()
+    path = os.path.join(_DIR, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, total)

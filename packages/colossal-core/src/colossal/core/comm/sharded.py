@@ -76,7 +76,8 @@ def _choose(
     return gloo_default
 
 
-def _shm_channel(group: ProcessGroup | None, key: tuple[int, ...]) -> shm.ShmChannel:
+def _required_channel(group: ProcessGroup | None, key: tuple[int, ...]) -> shm.ShmChannel:
+    """The group's shared-memory channel (``"shm"`` chosen or asked for explicitly)."""
     found = shm.channel(group, key)
     if found is None:
         raise ValueError("algorithm='shm' needs every rank of the group on this host")
@@ -182,11 +183,10 @@ def reduce_scatter(
     # On gloo a ring of more than two ranks runs step by step before returning: only for
     # synchronous sums (an asynchronous one must not block other groups' collectives).
     ring_ok = op == ReduceOp.SUM and (size == 2 or not async_op)
+    summing = input if op == ReduceOp.SUM else None  # shared memory only sums
     chosen = _choose(
-        algorithm, group, "ring" if ring_ok else "rooted", input, async_op, "reduce_scatter"
+        algorithm, group, "ring" if ring_ok else "rooted", summing, async_op, "reduce_scatter"
     )
-    if chosen == "shm" and op != ReduceOp.SUM:
-        chosen = "rooted" if algorithm == "auto" else chosen
     if chosen in ("ring", "shm") and op != ReduceOp.SUM:
         raise ValueError(
             f"reduce_scatter: algorithm={chosen!r} only sums, got op={op}; use 'rooted'"
@@ -215,7 +215,7 @@ def reduce_scatter(
     if chosen == "shm":
         return _run(
             *record,
-            lambda: _shm_channel(group, key).reduce_scatter(flat_out, flat_in) or _Done(),
+            lambda: _required_channel(group, key).reduce_scatter(flat_out, flat_in) or _Done(),
             async_op,
         )
 
@@ -292,7 +292,7 @@ def all_gather(
         flat_in, flat_out = input.reshape(-1), output.view(-1)
         return _run(
             *record,
-            lambda: _shm_channel(group, key).all_gather(flat_out, flat_in) or _Done(),
+            lambda: _required_channel(group, key).all_gather(flat_out, flat_in) or _Done(),
             async_op,
         )
     start = key.index(dist.get_rank()) * n

@@ -17,6 +17,7 @@ from colossal.core import DynamicGradScaler, OptimizerWrapper, keep_alive
 from colossal.core.comm import broadcast, group_ranks
 from colossal.core.precision import Precision, ScalerConfig, scaler_config_from
 from colossal.zero.config import ZeroConfig
+from colossal.zero.fused_step import fused_when_unset
 from colossal.zero.grad_norm import global_norm, local_norm_term
 from colossal.zero.layout import Bucket, GroupLayout, plan_layout
 from colossal.zero.memory import MemoryReport
@@ -434,7 +435,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             factor *= max_norm / (norm + 1e-6)
         for bucket, master in zip(self.buckets, self.masters, strict=True):
             master.grad = self._master_grad(bucket, master, factor)
-        self.optim.step()
+        with fused_when_unset(self.optim):
+            self.optim.step()
         self._gather_params()
         self._finish_step()
 
@@ -463,8 +465,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self._pending_clip = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all gradients (working, bucketed and master)."""
-        self.reducer.reset()
+        """Drop all gradients (working, bucketed and master); zeros under stage 1 if not to None."""
+        self.reducer.reset(set_to_none)
         for master in self.masters:
             master.grad = None
 

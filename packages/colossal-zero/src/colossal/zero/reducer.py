@@ -99,12 +99,12 @@ class GradReducer:
         self._spare_shards: dict[int, torch.Tensor] = {}
         self._spare_buffers: list[torch.Tensor] = []
         self._device = device
-        # Stage 1 with gradients in the parameters' dtype: each param.grad is a view into the
-        # flat buffer, so autograd accumulates in place (no per-step allocation, no copy).
+        # Stage 1 with gradients in the parameters' dtype: after a parameter's first gradient
+        # of a step, its param.grad is a view into the flat buffer, so later backwards of the
+        # step accumulate in place. The first one is copied in (as DDP's bucket views do),
+        # which spares zeroing the whole buffer at every step.
         param_dtypes = {s.param.dtype for b in self.buckets for s in b.slots}
         self.grad_views = not partition_grad and param_dtypes == {comm_dtype}
-        if self.grad_views:
-            self._attach_views()
 
     def _view(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
         flat = self.flat_grads[bucket.group]
@@ -311,8 +311,13 @@ class GradReducer:
             if state.reduced and not state.cleared:
                 self._clear_others(bucket, state)
 
-    def reset(self) -> None:
-        """Forget all gradients (zero_grad / after a step)."""
+    def reset(self, set_to_none: bool = True) -> None:
+        """Forget all gradients (zero_grad / after a step).
+
+        Args:
+            set_to_none: Leave ``param.grad`` None (the flat buffer is overwritten by the
+                next gradients, not zeroed); else zero it and attach views (stage 1).
+        """
         self.wait()
         self._states = [_BucketState() for _ in self.buckets]
         for order, shard in enumerate(self.grad_shards):
@@ -321,7 +326,7 @@ class GradReducer:
                 self._spare_shards[order] = shard  # the next reduce-scatter writes into it
         self.grad_shards = [None] * len(self.buckets)
         self._next = 0
-        if self.grad_views:
+        if self.grad_views and not set_to_none:
             for flat in self.flat_grads:
                 assert flat is not None
                 flat.zero_()

@@ -146,7 +146,13 @@ class ShmChannel:
             buf = self._buffer(flat_in.dtype)
             buf[self.position, : hi - lo].copy_(flat_in[lo:hi])
             self._publish_and_wait()
-            dest[:, lo:hi].copy_(buf[:, : hi - lo])
+            # The other ranks' pieces from the buffer, ours straight from the input (often
+            # the same memory as its place in the output: then nothing to copy).
+            me = self.position
+            dest[:me, lo:hi].copy_(buf[:me, : hi - lo])
+            dest[me + 1 :, lo:hi].copy_(buf[me + 1 :, : hi - lo])
+            if dest[me, lo:hi].data_ptr() != flat_in[lo:hi].data_ptr():
+                dest[me, lo:hi].copy_(flat_in[lo:hi])
 
 
 def _map_shared(

@@ -24,7 +24,7 @@ file. A save therefore needs no gather at all:
 
 The files are byte-identical to those of a streamed save of the same tensors. Until the
 commit the previous checkpoint's index and files are untouched: a save killed at any point
-leaves it loadable, and only temporary files and the staging folder behind.
+leaves it loadable, and only temporary files behind.
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def save_in_place(
 ) -> None:
     """Write ``shards`` (names per file) into ``files`` in ``path`` in place and commit.
 
-    Collective over ``group``. ``path`` is prepared (a fresh staging folder, ``files`` not
+    Collective over ``group``. ``path`` is prepared (no staging folder, ``files`` not
     referenced by the committed index) as :class:`colossal.checkpoint_io.saver.ShardedSaver`
     does; ``index`` is the new index without ``metadata.files``, which this fills in.
     ``assign(sizes, world)`` picks the writing rank of each replicated tensor (the same

@@ -363,7 +363,7 @@ def _plan(
     shards: list[list[str]],
     in_place: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | OSError:
-    """Rank 0's preparation: the directory, a fresh staging folder, the new file names.
+    """Rank 0's preparation: the directory, a fresh staging folder (none in place), the names.
 
     For an in-place save of the tensors ``in_place`` it also creates the files (their token
     in the plan: a rank that cannot see them fails the save); otherwise it leaves the token of
@@ -374,12 +374,12 @@ def _plan(
         created = prepare_directory(path)
         staging = staging_directory(path, prefix)
         durable.remove(staging)  # meta files of an interrupted save
-        os.makedirs(staging)
         files = choose_file_names(path, index_name, prefix, len(shards))
         shared = token = None
-        if in_place is not None:
+        if in_place is not None:  # the ranks meet in the temporary files, not in staging
             token = create_files(path, in_place, files, shards)
         else:
+            os.makedirs(staging)
             shared = os.urandom(16).hex()
             with open(os.path.join(staging, _SHARED_CHECK), "w", encoding="ascii") as file:
                 file.write(shared)

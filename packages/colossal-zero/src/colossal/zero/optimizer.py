@@ -193,6 +193,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         )
         self._grad_norm: float | None = None
         self._pending_clip: float | None = None
+        self._norm_excluded: set[int] = set()
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
@@ -374,12 +375,51 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             self.reducer.sync = previous
 
     # ---- norm and clipping -------------------------------------------------------------------
+    def exclude_from_norm(self, params: Sequence[torch.Tensor]) -> None:
+        """Leave ``params`` out of this rank's share of the global gradient norm.
+
+        For gradients another rank of the norm's extra groups also holds (a parameter
+        replicated over the tensor-parallel group, counted on its first rank only; a tied
+        weight on two pipeline stages, counted on one): summed over ``tp_process_group`` and
+        ``pp_process_group`` they would count several times. Replaces an earlier call.
+
+        Raises:
+            ValueError: A parameter this optimizer does not manage.
+        """
+        foreign = [tuple(p.shape) for p in params if not self.manages(p)]
+        if foreign:
+            raise ValueError(
+                f"exclude_from_norm: parameters of shapes {foreign} are not managed by this "
+                "optimizer; pass parameters of its model"
+            )
+        self._norm_excluded = {id(p) for p in params}
+        self._grad_norm = None
+
+    def _excluded_parts(self) -> Iterator[torch.Tensor]:
+        """The pieces of this rank's gradient slices that belong to excluded parameters."""
+        for bucket in self.buckets:
+            shard = None
+            lo, _ = bucket.shard_range(self.rank, self.world_size)
+            for slot in bucket.slots:
+                if id(slot.param) not in self._norm_excluded:
+                    continue
+                start, stop = bucket.slot_shard_range(slot, self.rank, self.world_size)
+                if start == stop:
+                    continue
+                shard = self.reducer.shard_grad(bucket) if shard is None else shard
+                at = slot.offset + start - lo
+                yield shard[at : at + stop - start]
+
     def _compute_norm(self) -> float:
         self.reducer.ensure_reduced()
         if self._grad_norm is None:
             term = local_norm_term(
                 (self.reducer.shard_grad(b) for b in self.buckets), self.config.norm_type
             )
+            if self._norm_excluded and not math.isinf(self.config.norm_type):
+                # duplicates do not change a max norm; a p-norm subtracts their share
+                term = term - local_norm_term(self._excluded_parts(), self.config.norm_type)
+                term = term.clamp_min(0)
             raw = global_norm(term, self.config.norm_type, self._norm_groups)
             self._grad_norm = raw / (self.world_size * self.loss_scale)
         return self._grad_norm

@@ -35,6 +35,7 @@ __all__ = [
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
     "GeminiPlugin",
+    "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "MixedPrecision",
     "Plugin",
@@ -43,7 +44,13 @@ __all__ = [
     "__version__",
 ]
 
-_PLUGINS = ("GeminiPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin", "TorchFSDPPlugin")
+_PLUGINS = (
+    "GeminiPlugin",
+    "HybridParallelPlugin",
+    "LowLevelZeroPlugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -11,15 +11,22 @@ pass(es) and before the optimizer step, like the pipeline's ``SharedParamGradSyn
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from colossal.core.comm import all_reduce, group_ranks
 
-__all__ = ["SequenceParallelGradSync", "mark_partial_grad", "partial_grad_group"]
+__all__ = [
+    "SequenceParallelGradSync",
+    "mark_partial_grad",
+    "partial_grad_group",
+    "register_partial_grad_hooks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +117,55 @@ class SequenceParallelGradSync:
                 n = g.numel()
                 g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
+
+
+def _summed_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.contiguous().clone()
+        all_reduce(total, group=group)
+        return total
+
+    return hook
+
+
+def _scaled_by(factor: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor
+
+    return hook
+
+
+def register_partial_grad_hooks(
+    model: nn.Module, averaged: Callable[[tuple[int, ...]], bool] | None = None
+) -> list[RemovableHandle]:
+    """Make each marked parameter's gradient whole as autograd produces it.
+
+    For optimizers that take gradients during the backward (ZeRO's buckets), where
+    :class:`SequenceParallelGradSync` after the backward comes too late. The hook runs on
+    the gradient of this backward before it is accumulated, so gradients accumulated over
+    several backwards are not summed twice. A parameter's gradient is summed over its group
+    (every rank of a group runs the same graph, so the hooks' all-reduces come in the same
+    order on all of them), unless the caller's own reduction averages over a group holding
+    it (ZeRO over ``dp x sp``): then it is multiplied by the group's size, and the average of
+    the scaled parts is their sum, with no communication of its own.
+
+    Args:
+        model: The sharded model (or any module holding marked parameters).
+        averaged: Given a group's ranks, whether the caller's reduction averages over them.
+
+    Returns:
+        The hooks' handles (``handle.remove()`` undoes them).
+    """
+    handles = []
+    for param in model.parameters():  # deduplicated: a tied parameter once
+        marked, group = partial_grad_group(param)
+        if not marked or not param.requires_grad or not dist.is_initialized():
+            continue
+        ranks = tuple(group_ranks(group))
+        if len(ranks) == 1:
+            continue
+        if averaged is not None and averaged(ranks):
+            handles.append(param.register_hook(_scaled_by(len(ranks))))
+        else:
+            handles.append(param.register_hook(_summed_over(group)))
+    return handles

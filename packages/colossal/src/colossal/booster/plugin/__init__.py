@@ -10,6 +10,7 @@ from colossal.booster.plugin.base import DPPluginBase, Plugin
 __all__ = [
     "DPPluginBase",
     "GeminiPlugin",
+    "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "Plugin",
     "TorchDDPPlugin",
@@ -21,6 +22,7 @@ _LAZY = {
     "LowLevelZeroPlugin": "colossal.booster.plugin.low_level_zero",
     "TorchFSDPPlugin": "colossal.booster.plugin.torch_fsdp",
     "GeminiPlugin": "colossal.booster.plugin.gemini",
+    "HybridParallelPlugin": "colossal.booster.plugin.hybrid_parallel",
 }
 
 

@@ -1,0 +1,122 @@
+"""The model side of the hybrid-parallel plugin: the wrapper, input casting, parameter names.
+
+After Shardformer, a rank holds its stage's chunks (shallow copies of the model holding only
+their layers, under the model's own names) with tensor-parallel layers in place of the
+originals. The user's optimizer was built on the whole, unsharded model; it is pointed at
+the parameters this rank holds by name, where a tied weight answers to every one of its
+names (the last stage holds ``lm_head.weight``, which the optimizer knew as the embedding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from colossal.core import ModelWrapper
+
+__all__ = [
+    "HybridParallelModel",
+    "cast_floats",
+    "first_names",
+    "held_parameters",
+    "named_held",
+    "repoint_by_alias",
+]
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with floating-point tensors (also in dicts, lists, tuples) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(cast_floats(v, dtype) for v in value)
+    return value
+
+
+def _chunks(module: nn.Module) -> list[nn.Module]:
+    return list(module) if isinstance(module, nn.ModuleList) else [module]
+
+
+def named_held(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every ``(name, parameter)`` this rank holds, tied parameters under each of their names."""
+    for chunk in _chunks(module):
+        yield from chunk.named_parameters(remove_duplicate=False)
+
+
+def held_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters this rank holds, each once."""
+    return list({id(p): p for _, p in named_held(module)}.values())
+
+
+def repoint_by_alias(
+    optimizer: Optimizer, module: nn.Module, group_names: Sequence[Sequence[Sequence[str]]]
+) -> None:
+    """Point each param group at the parameters ``module`` holds under one of their names.
+
+    Args:
+        optimizer: The optimizer built on the unsharded model (no state yet).
+        module: This rank's sharded model (or its chunks).
+        group_names: Per group, per original parameter, all names of that parameter.
+
+    Raises:
+        ValueError: The optimizer already has state.
+    """
+    if optimizer.state:
+        raise ValueError(
+            "boost the optimizer before its first step: its state is not empty, so its "
+            "parameters cannot be replaced by the sharded ones"
+        )
+    held = dict(named_held(module))
+    for group, names in zip(optimizer.param_groups, group_names, strict=True):
+        params: dict[int, nn.Parameter] = {}
+        for aliases in names:
+            found = next((held[n] for n in aliases if n in held), None)
+            if found is not None:
+                params[id(found)] = found
+        group["params"] = list(params.values())
+
+
+def first_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
+    """Per param group, the first name under which ``module`` holds each parameter."""
+    names: dict[int, str] = {}
+    for name, p in named_held(module):
+        names.setdefault(id(p), name)
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+class HybridParallelModel(ModelWrapper):
+    """This rank's sharded model (or its pipeline chunks as an ``nn.ModuleList``).
+
+    Calling it runs the whole forward when there is no pipeline; floating-point inputs are
+    cast to the model's dtype. Under a pipeline, run batches with
+    ``booster.execute_pipeline``.
+
+    Args:
+        module: The sharded model, or this stage's chunks.
+        dtype: The training precision.
+        pipelined: Whether ``module`` is a pipeline stage.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, pipelined: bool) -> None:
+        super().__init__(module)
+        self.dtype = dtype
+        self.pipelined = pipelined
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, inputs cast (no pipeline only).
+
+        Raises:
+            RuntimeError: The model is a pipeline stage.
+        """
+        if self.pipelined:
+            raise RuntimeError(
+                "this model is a pipeline stage; run batches with booster.execute_pipeline("
+                "data_iter, model, criterion, optimizer)"
+            )
+        return self.module(*cast_floats(args, self.dtype), **cast_floats(kwargs, self.dtype))

@@ -1,0 +1,452 @@
+"""HybridParallelPlugin: tensor x sequence x pipeline x data parallelism as a composition.
+
+Nothing here re-implements a parallelism; the plugin assembles the packages:
+
+- :class:`~colossal.core.ParallelDims` lays the ranks out (``dp`` outside ``pp``, ``sp``,
+  ``tp`` by default; ``dp_outside=False`` puts ``pp`` outermost) and hands out every group;
+- colossal-shardformer shards the model (``ShardConfig`` + ``ShardFormer.optimize``): tensor
+  and sequence parallelism, this rank's pipeline stage, fused norms and attention;
+- colossal-pipeline's stage manager and schedule (1F1B, interleaved, ZB-V) run
+  :meth:`execute_pipeline`;
+- colossal-zero's ``LowLevelZeroOptimizer`` keeps fp32 master weights, scales fp16 losses and
+  reduces gradients over the data-parallel group (with ``dp x sp`` for the sequence modes
+  with a group of their own, whose parameters see only this rank's tokens).
+
+Gradients are combined in this order: a parameter that sees only this rank's part of the
+sequence is made whole as autograd produces each gradient (before any accumulation): summed
+over the tensor-parallel group (``split_gather``'s norms), or scaled by ``sp`` where ZeRO
+averages over ``dp x sp`` (``all_to_all``, ``ring_attn``: the average of the scaled parts
+is their sum); the data-parallel
+reduction runs in ZeRO's buckets during the (last) backward; tied weights on two pipeline
+stages are summed by the schedule after the backward (sums commute, so every copy ends with
+the full gradient). The global gradient norm counts each parameter once: a gradient
+replicated over the tensor-parallel group on its first rank only, a tied weight on its first
+stage only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from colossal.booster.plugin.base import DPPluginBase, materialize_model
+from colossal.booster.plugin.hybrid_config import HybridConfig
+from colossal.booster.plugin.hybrid_model import (
+    HybridParallelModel,
+    cast_floats,
+    first_names,
+    held_parameters,
+    repoint_by_alias,
+)
+from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
+from colossal.checkpoint_io import CheckpointIO
+from colossal.core import OptimizerWrapper, ParallelDims, ScalerConfig, sharded_view
+from colossal.core.comm import group_ranks
+from colossal.zero import LowLevelZeroOptimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HybridParallelPlugin"]
+
+
+class HybridParallelPlugin(DPPluginBase):
+    """Tensor, sequence, pipeline and data parallelism (DDP-style or ZeRO-1/2) combined.
+
+    The data-parallel size is what the other sizes leave of the world:
+    ``dp = world / (tp_size * pp_size * sp_size)``. The model must be a Hugging Face
+    transformers model Shardformer has a policy for (or pass ``custom_policy``).
+
+    Args:
+        tp_size: Tensor-parallel size (1: none).
+        pp_size: Pipeline stages (1: none).
+        sp_size: Size of a sequence-parallel group of its own (``all_to_all`` and
+            ``ring_attn`` modes); None or 1 for the modes that use the tensor-parallel group.
+        precision: ``"fp16"`` (dynamic loss scaling), ``"bf16"`` or ``"fp32"``; fp16/bf16 keep
+            fp32 master weights.
+        zero_stage: 0, 1 or 2. Stage 2 shards gradients too and cannot run with a pipeline.
+            Stage 0 reduces gradients through ZeRO-1's buckets as well (the same updates;
+            optimizer states sharded over dp): torch DDP can serve neither the pipeline's
+            local microbatch accumulation nor a norm over tp x pp.
+        enable_all_optimization: Fused normalization and flash attention (Shardformer).
+        enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm.
+        enable_flash_attention: colossal-kernels' attention dispatch.
+        enable_jit_fused: Accepted for compatibility (a no-op in Shardformer).
+        enable_sequence_parallelism: Split the sequence (see ``sequence_parallelism_mode``).
+        sequence_parallelism_mode: ``"split_gather"`` (default), ``"ring"`` (inside the
+            tensor-parallel group), ``"all_to_all"`` or ``"ring_attn"`` (over ``sp_size``).
+        enable_sequence_overlap: Shardformer's option (needs sequence parallelism).
+        parallel_output: Keep LM logits split over the vocabulary (vocab-parallel loss).
+        num_microbatches: Microbatches per batch under a pipeline.
+        microbatch_size: Samples per microbatch (when ``num_microbatches`` is None).
+        initial_scale: fp16 loss scaler: initial scale.
+        min_scale: fp16 loss scaler: smallest scale.
+        growth_factor: fp16 loss scaler: growth multiplier.
+        backoff_factor: fp16 loss scaler: backoff multiplier.
+        growth_interval: fp16 loss scaler: clean steps between growths.
+        hysteresis: fp16 loss scaler: overflows tolerated before a backoff.
+        max_scale: fp16 loss scaler: largest scale.
+        max_norm: Clip gradients to this global norm (0: no clipping).
+        broadcast_buffers: DDP setting (validated; see ``zero_stage``).
+        ddp_bucket_cap_mb: DDP setting (validated; see ``zero_stage``).
+        find_unused_parameters: DDP setting (validated; see ``zero_stage``).
+        check_reduction: DDP setting (validated; see ``zero_stage``).
+        gradient_as_bucket_view: DDP setting (validated; see ``zero_stage``).
+        static_graph: DDP setting (validated; see ``zero_stage``).
+        zero_bucket_size_in_m: Gradient bucket size in millions of elements.
+        cpu_offload: Keep masters and optimizer states on the CPU.
+        communication_dtype: dtype gradients are reduced in (the parameters' by default).
+        overlap_communication: Reduce buckets during the backward.
+        custom_policy: A Shardformer ``Policy`` instance to use instead of the automatic one.
+        pp_style: ``"1f1b"``, ``"interleaved"`` or ``"zbv"``.
+        num_model_chunks: Model chunks per stage (``interleaved``: >= 2; ``zbv``: 2).
+        num_layers_per_stage: Layers of each stage and chunk (even split when None).
+        gradient_checkpoint_config: Shardformer's recompute plan per stage.
+        enable_metadata_cache: Reuse the shapes of point-to-point transfers between steps.
+        make_vocab_size_divisible_by: Pad the vocabulary to a multiple of this times tp.
+        dp_outside: Data parallel as the outermost axis (else pipeline outermost).
+        verbose: Log overflows and scale changes at INFO level.
+
+    Raises:
+        ValueError: A size or combination that cannot work, naming the values.
+        RuntimeError: torch.distributed is not initialized.
+    """
+
+    def __init__(
+        self,
+        tp_size: int,
+        pp_size: int,
+        sp_size: int | None = None,
+        precision: str = "fp16",
+        zero_stage: int = 0,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_parallelism: bool = False,
+        sequence_parallelism_mode: str | None = None,
+        enable_sequence_overlap: bool = False,
+        parallel_output: bool = True,
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0,
+        broadcast_buffers: bool = True,
+        ddp_bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        zero_bucket_size_in_m: int = 12,
+        cpu_offload: bool = False,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        custom_policy: Any = None,
+        pp_style: str = "1f1b",
+        num_model_chunks: int = 1,
+        num_layers_per_stage: list[int] | None = None,
+        gradient_checkpoint_config: Any = None,
+        enable_metadata_cache: bool = True,
+        make_vocab_size_divisible_by: int = 64,
+        dp_outside: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "HybridParallelPlugin needs torch.distributed initialized first: call "
+                "colossal.core.launch_from_torch() (under torchrun) or launch(...)"
+            )
+        self.config = HybridConfig(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            world_size=dist.get_world_size(),
+            sp_size=sp_size,
+            precision=precision,
+            zero_stage=zero_stage,
+            enable_sequence_parallelism=enable_sequence_parallelism,
+            sequence_parallelism_mode=sequence_parallelism_mode,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            pp_style=pp_style,
+            num_model_chunks=num_model_chunks,
+            num_layers_per_stage=None if num_layers_per_stage is None
+            else tuple(num_layers_per_stage),
+            max_norm=float(max_norm),
+            zero_bucket_size_in_m=zero_bucket_size_in_m,
+            dp_outside=dp_outside,
+        )
+        if ddp_bucket_cap_mb <= 0:
+            raise ValueError(f"HybridParallelPlugin: ddp_bucket_cap_mb={ddp_bucket_cap_mb!r} "
+                             "must be > 0")
+        cfg = self.config
+        order = ("dp", "pp", "sp", "tp") if dp_outside else ("pp", "dp", "sp", "tp")
+        dims = ParallelDims(dp=cfg.dp_size, pp=pp_size, tp=tp_size, sp=cfg.resolved_sp_size,
+                            order=order)
+        super().__init__(parallel_dims=dims)
+        # Every group now, in one order on every rank (creating groups is collective).
+        self.tp_group = dims.group("tp")
+        self.pp_group = dims.group("pp")
+        self.sp_group = dims.group("sp") if cfg.sp_group_of_its_own else self.tp_group
+        self.zero_group = dims.group(("dp", "sp")) if cfg.sp_group_of_its_own else self.dp_group
+        self.stage_manager = self._stage_manager(dims) if pp_size > 1 else None
+        self.custom_policy = custom_policy
+        self.shard_options = {
+            "enable_all_optimization": enable_all_optimization,
+            "enable_fused_normalization": enable_fused_normalization,
+            "enable_flash_attention": enable_flash_attention,
+            "enable_jit_fused": enable_jit_fused,
+            "enable_sequence_overlap": enable_sequence_overlap,
+            "parallel_output": parallel_output,
+            "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+            "gradient_checkpoint_config": gradient_checkpoint_config,
+        }
+        self.enable_metadata_cache = enable_metadata_cache
+        self.zero_kwargs = {
+            "partition_grad": zero_stage == 2,
+            "dp_process_group": self.zero_group,
+            "tp_process_group": self.tp_group if tp_size > 1 else None,
+            "pp_process_group": self.pp_group if pp_size > 1 else None,
+            "scaler_config": ScalerConfig(
+                initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+                backoff_factor=backoff_factor, growth_interval=growth_interval,
+                hysteresis=hysteresis, max_scale=max_scale,
+            ),
+            "clip_grad_norm": float(max_norm),
+            "reduce_bucket_size": int(zero_bucket_size_in_m * 1024**2),
+            "communication_dtype": communication_dtype,
+            "overlap_communication": overlap_communication,
+            "cpu_offload": cpu_offload,
+            "verbose": verbose,
+        }
+        self.schedule: Any = None
+        self._checkpoint_io = ZeroCheckpointIO()
+        if zero_stage == 0 and dims.dp > 1:
+            logger.info("zero_stage=0: gradients are reduced through ZeRO-1's buckets")
+
+    # ---- layout ------------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.config.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages."""
+        return self.config.pp_size
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks the sequence is split over (the tensor-parallel group for its modes)."""
+        if not self.config.enable_sequence_parallelism:
+            return 1
+        return self.config.resolved_sp_size if self.config.sp_group_of_its_own else self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size."""
+        return self.config.dp_size
+
+    def _stage_manager(self, dims: ParallelDims) -> Any:
+        from colossal.pipeline import PipelineStageManager
+
+        cfg = self.config
+        return PipelineStageManager(
+            dims.build_mesh(),
+            "pp",
+            enable_interleave=cfg.pp_style == "interleaved",
+            num_model_chunks=cfg.num_model_chunks,
+            use_zbv=cfg.pp_style == "zbv",
+            num_layers_per_stage=cfg.num_layers_per_stage,
+        )
+
+    def _schedule(self, shared: Any) -> Any:
+        from colossal.pipeline import (
+            InterleavedSchedule,
+            OneForwardOneBackwardSchedule,
+            ZeroBubbleVPipeScheduler,
+        )
+
+        cfg = self.config
+        kwargs = {
+            "num_microbatches": cfg.num_microbatches,
+            "microbatch_size": None if cfg.num_microbatches else cfg.microbatch_size,
+            "enable_metadata_cache": self.enable_metadata_cache,
+            "shared_params": shared,
+        }
+        if cfg.pp_style == "interleaved":
+            return InterleavedSchedule(self.stage_manager, cfg.num_model_chunks, **kwargs)
+        if cfg.pp_style == "zbv":
+            return ZeroBubbleVPipeScheduler(self.stage_manager, 2, **kwargs)
+        return OneForwardOneBackwardSchedule(self.stage_manager, **kwargs)
+
+    # ---- plugin interface --------------------------------------------------------------------
+    def supported_devices(self) -> list[str]:
+        """CPU and CUDA."""
+        return ["cpu", "cuda"]
+
+    def supported_precisions(self) -> list[str]:
+        """fp16, bf16 and fp32."""
+        return ["fp16", "bf16", "fp32"]
+
+    def control_precision(self) -> bool:
+        """True: the plugin casts the model itself."""
+        return True
+
+    def support_no_sync(self) -> bool:
+        """ZeRO stage 0 and 1 (stage 2 keeps no local gradients)."""
+        return self.config.zero_stage < 2
+
+    def support_pipeline(self) -> bool:
+        """True when ``pp_size > 1``."""
+        return self.pp_size > 1
+
+    def support_lora(self) -> bool:
+        """Not yet: LoRA with tensor parallelism needs sharded adapters."""
+        return False
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Shard the model, build the schedule, wrap the optimizer in ``LowLevelZeroOptimizer``."""
+        from colossal.shardformer import ShardConfig, ShardFormer
+
+        materialize_model(model, optimizer)
+        dtype = self.precision_dtype
+        aliases = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        group_names = None
+        if optimizer is not None:
+            group_names = [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        model = model.to(dtype=dtype)
+        cfg = self.config
+        shard_config = ShardConfig(
+            tensor_parallel_process_group=self.tp_group,
+            sequence_parallel_process_group=self.sp_group if cfg.sp_group_of_its_own else None,
+            pipeline_stage_manager=self.stage_manager,
+            enable_tensor_parallelism=self.tp_size > 1,
+            enable_sequence_parallelism=cfg.enable_sequence_parallelism,
+            sequence_parallelism_mode=cfg.sequence_parallelism_mode,
+            **self.shard_options,
+        )
+        module, shared = ShardFormer(shard_config).optimize(model, policy=self.custom_policy)
+        if self.stage_manager is not None:
+            self.schedule = self._schedule(shared)
+        self._sum_partial_grads(module)
+        if optimizer is not None:
+            assert group_names is not None
+            repoint_by_alias(optimizer, module, group_names)
+            names = first_names(optimizer, module)
+            optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
+            optimizer.set_param_names(names)
+            optimizer.exclude_from_norm(self._counted_elsewhere(module, shared, optimizer))
+            self._checkpoint_io.optimizers.append(optimizer)
+        wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
+        return wrapped, optimizer, criterion, dataloader, lr_scheduler
+
+    @property
+    def precision_dtype(self) -> torch.dtype:
+        """The dtype parameters are cast to."""
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            self.config.precision, torch.float32
+        )
+
+    def _sum_partial_grads(self, module: nn.Module) -> None:
+        """Hooks making sequence-partial gradients whole before ZeRO averages them.
+
+        Summed over the tensor-parallel group (``split_gather``); scaled by ``sp`` where
+        ZeRO averages over ``dp x sp`` (the average of the scaled parts is their sum).
+        """
+        from colossal.shardformer.sequence.grad_sync import register_partial_grad_hooks
+
+        zero_ranks = set(group_ranks(self.zero_group))
+        register_partial_grad_hooks(module, averaged=lambda ranks: set(ranks) <= zero_ranks)
+
+    def _counted_elsewhere(
+        self, module: nn.Module, shared: Any, optimizer: LowLevelZeroOptimizer
+    ) -> list[torch.Tensor]:
+        """Parameters whose gradient another rank of tp x pp counts in the global norm."""
+        skip: dict[int, torch.Tensor] = {}
+        if self.tp_size > 1 and dist.get_rank(self.tp_group) != 0:
+            for p in held_parameters(module):
+                if p.requires_grad and sharded_view(p) is None:
+                    skip[id(p)] = p  # replicated over tp: counted on tp rank 0
+        if self.stage_manager is not None:
+            stage = self.stage_manager.stage
+            for mapping in shared:
+                if len(mapping) > 1 and stage in mapping and stage != min(mapping):
+                    p = mapping[stage]
+                    skip[id(p)] = p  # a tied copy: counted on its first stage
+        return [p for p in skip.values() if optimizer.manages(p)]
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: HybridParallelModel,
+        criterion: Callable[..., Any],
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """One batch through the pipeline schedule: forward, loss, backward of every microbatch.
+
+        ``criterion(outputs, microbatch)`` runs on the last stage; each rank draws one batch
+        from ``data_iter`` (floating tensors are cast to the training precision).
+
+        Returns:
+            ``{"loss": ..., "outputs": ...}`` (None on ranks without the last stage).
+
+        Raises:
+            RuntimeError: ``pp_size == 1`` (call the model and ``booster.backward``).
+        """
+        if self.schedule is None:
+            raise RuntimeError(
+                "execute_pipeline needs pp_size > 1 and a model boosted by this plugin; with "
+                "pp_size=1 call the model and booster.backward(loss, optimizer)"
+            )
+        dtype = self.precision_dtype
+        batches = (cast_floats(batch, dtype) for batch in data_iter)
+        return self.schedule.forward_backward_step(
+            model.unwrap(), batches, criterion, optimizer=optimizer,
+            return_loss=return_loss, return_outputs=return_outputs,
+        )
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        """Checkpoint IO that refreshes the fp32 masters after a model load."""
+        return self._checkpoint_io
+
+    def no_sync(
+        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without reducing them (ZeRO stage 0/1).
+
+        Raises:
+            NotImplementedError: Under ZeRO stage 2.
+            TypeError: No boosted optimizer given.
+        """
+        if self.config.zero_stage == 2:
+            raise NotImplementedError(
+                "HybridParallelPlugin(zero_stage=2) does not support no_sync(); use "
+                "zero_stage=1 or call booster.backward for every micro-batch"
+            )
+        if not isinstance(optimizer, LowLevelZeroOptimizer):
+            raise TypeError("no_sync needs the optimizer returned by boost()")
+        return optimizer.no_sync()
+

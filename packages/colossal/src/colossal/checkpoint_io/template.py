@@ -275,8 +275,12 @@ class CheckpointIO:
             use_async=use_async,
             gather=self.to_full,
             background=set(params) if background_snapshot else (),
-            extra_files=hf_config_files(unwrap_model(model)) if self._rank() == 0 else None,
+            extra_files=hf_config_files(self.config_module(model)) if self._rank() == 0 else None,
         )
+
+    def config_module(self, model: nn.Module) -> nn.Module:
+        """The module whose Hugging Face config files are saved with the weights."""
+        return unwrap_model(model)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
         """Load a model checkpoint saved by any plugin at any world size, or one users have.
@@ -449,6 +453,9 @@ def _dedupe_tied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[Any, ...]] = set()
     out = {}
     for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):  # a ShardedTensor: its IO deduplicated it
+            out[name] = tensor
+            continue
         key = _storage_key(tensor)
         if tensor.numel() and key in seen:
             continue

@@ -37,6 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from colossal.booster.plugin.base import DPPluginBase, materialize_model
+from colossal.booster.plugin.hybrid_checkpoint_io import HybridCheckpointIO
 from colossal.booster.plugin.hybrid_config import HybridConfig
 from colossal.booster.plugin.hybrid_model import (
     HybridParallelModel,
@@ -45,7 +46,6 @@ from colossal.booster.plugin.hybrid_model import (
     held_parameters,
     repoint_by_alias,
 )
-from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import OptimizerWrapper, ParallelDims, ScalerConfig, sharded_view
 from colossal.core.comm import group_ranks
@@ -231,7 +231,8 @@ class HybridParallelPlugin(DPPluginBase):
             "verbose": verbose,
         }
         self.schedule: Any = None
-        self._checkpoint_io = ZeroCheckpointIO()
+        replica = dims.coordinate(("dp", "sp") if cfg.sp_group_of_its_own else "dp") == 0
+        self._checkpoint_io = HybridCheckpointIO(replica, (tp_size, pp_size))
         if zero_stage == 0 and dims.dp > 1:
             logger.info("zero_stage=0: gradients are reduced through ZeRO-1's buckets")
 
@@ -332,6 +333,7 @@ class HybridParallelPlugin(DPPluginBase):
         aliases = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
+        self._checkpoint_io.set_aliases(list(aliases.values()))
         group_names = None
         if optimizer is not None:
             group_names = [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
@@ -429,7 +431,7 @@ class HybridParallelPlugin(DPPluginBase):
         )
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        """Checkpoint IO that refreshes the fp32 masters after a model load."""
+        """The one checkpoint format for every layout (see :mod:`.hybrid_checkpoint_io`)."""
         return self._checkpoint_io
 
     def no_sync(

@@ -159,6 +159,7 @@ class PipelineSchedule(ABC):
         optimizer: Any | None = None,
         return_loss: bool = False,
         return_outputs: bool = False,
+        sync_shared_params: bool = True,
     ) -> dict[str, Any]:
         """Run forward and backward of one batch through the pipeline.
 
@@ -181,6 +182,11 @@ class PipelineSchedule(ABC):
                 weight-gradient backward.
             return_loss: Return the loss (on the rank holding the last slice).
             return_outputs: Return the last slice's outputs, concatenated over microbatches.
+            sync_shared_params: Sum the gradients of parameters tied across stages after the
+                backward (and run the post-backward hooks). Pass False for all but the last
+                of several calls that accumulate gradients (the sum is linear: summing the
+                accumulated gradients once counts every call once; summing after each call
+                would count the earlier ones again).
 
         Returns:
             ``{"loss": tensor or None, "outputs": object or None}``; both are ``None`` on ranks
@@ -220,9 +226,10 @@ class PipelineSchedule(ABC):
         self.last_timeline = executor.timeline
         self.last_comm_timeline = executor.comm_timeline
         self.last_wait_timeline = executor.wait_timeline
-        self.shared_params()
-        for hook in self._hooks:
-            hook()
+        if sync_shared_params:
+            self.shared_params()
+            for hook in self._hooks:
+                hook()
         return {
             "loss": loss if return_loss else None,
             "outputs": outputs if return_outputs else None,

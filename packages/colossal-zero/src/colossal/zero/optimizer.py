@@ -374,6 +374,11 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         finally:
             self.reducer.sync = previous
 
+    @property
+    def accumulating(self) -> bool:
+        """Whether backwards now accumulate locally (inside :meth:`no_sync`)."""
+        return not self.reducer.sync
+
     # ---- norm and clipping -------------------------------------------------------------------
     def exclude_from_norm(self, params: Sequence[torch.Tensor]) -> None:
         """Leave ``params`` out of this rank's share of the global gradient norm.

@@ -425,9 +425,12 @@ class HybridParallelPlugin(DPPluginBase):
             )
         dtype = self.precision_dtype
         batches = (cast_floats(batch, dtype) for batch in data_iter)
+        # Under no_sync, tied weights are summed over the stages in the call that reduces.
+        accumulating = bool(getattr(optimizer, "accumulating", False))
         return self.schedule.forward_backward_step(
             model.unwrap(), batches, criterion, optimizer=optimizer,
             return_loss=return_loss, return_outputs=return_outputs,
+            sync_shared_params=not accumulating,
         )
 
     def get_checkpoint_io(self) -> CheckpointIO:

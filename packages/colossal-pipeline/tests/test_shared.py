@@ -104,3 +104,31 @@ def _run(world_size: int, kind: str) -> None:
 def test_tied_weights(rank: int, world_size: int) -> None:
     for kind in ("1f1b", "interleaved", "zbv"):
         _run(world_size, kind)
+
+
+@distributed_test(2)
+def test_accumulating_calls_sum_tied_weights_once(rank: int, world_size: int) -> None:
+    """Two calls on the two halves of a batch (the first with ``sync_shared_params=False``)
+    give the tied copies the gradient of one call on the whole batch (halved losses).
+
+    Summing after every call would count the first half's gradient twice.
+    """
+    torch.manual_seed(0)
+    ref = _tied_model(0)
+    ids = torch.randint(0, VOCAB, (8, 5))
+    batch = {"input_ids": ids, "labels": ids.roll(1, dims=1)}
+    pipe = copy.deepcopy(ref)
+    lm_loss(ref[1](ref[0](**batch)), batch).backward()
+    sm = make_stage_manager(world_size, 1)
+    pipe[-1].weight = nn.Parameter(pipe[0].weight.detach().clone())
+    schedule = OneForwardOneBackwardSchedule(
+        sm, num_microbatches=2, shared_params=[{0: pipe[0].weight, 1: pipe[-1].weight}]
+    )
+    model = split_model(pipe, sm)[0]
+    halves = [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
+    for i, half in enumerate(halves):
+        schedule.forward_backward_step(
+            model, iter([half]), lambda o, b: lm_loss(o, b) / 2, sync_shared_params=i == 1
+        )
+    mine = pipe[0].weight if sm.stage == 0 else pipe[-1].weight
+    assert_rel_close(mine.grad, ref[0].weight.grad, RTOL, f"stage {sm.stage}: tied gradient")

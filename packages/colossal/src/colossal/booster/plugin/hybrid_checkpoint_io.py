@@ -7,7 +7,9 @@ replica (data-parallel coordinate 0) of each stage holds its part, every other r
 one, so the saver plans the same files everywhere and gathers each tensor only to the rank
 writing it. A tied weight held by two stages is saved once, under its first name, as every
 other plugin saves it. Loading reads into each held tensor only its part, under whichever of
-its names the checkpoint uses.
+its names the checkpoint uses. Optimizer states go the same way
+(:mod:`.hybrid_optimizer_state`): ZeRO shards gathered over the data-parallel group to the
+stage's first replica, then to their writer.
 """
 
 from __future__ import annotations
@@ -19,12 +21,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from colossal.booster.plugin.hybrid_optimizer_state import (
+    ReplicaState,
+    empty_part,
+    merge_meta,
+    read_held_state,
+    select_groups,
+    whole_shape,
+)
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
-from colossal.checkpoint_io import CheckpointError
+from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointError, TensorReader, read_index
+from colossal.checkpoint_io.commit import resolve_directory
+from colossal.checkpoint_io.names import param_names
+from colossal.checkpoint_io.optimizer_fit import check_optimizer_fits
+from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.sharded import marked_state_dict
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import Block, LocalShard, OptimizerWrapper, shard_spec
-from colossal.core.comm import all_gather_object
+from colossal.core.comm import all_gather_object, group_ranks
+from colossal.zero import sharded_params
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +50,12 @@ def _chunks(module: nn.Module) -> list[nn.Module]:
     return list(module) if isinstance(module, nn.ModuleList) else [module]
 
 
-def _empty(shape: Sequence[int], dtype: torch.dtype) -> LocalShard:
-    """A rank's empty part of a tensor of ``shape`` (held elsewhere)."""
-    if not shape:
-        from colossal.core import FlatRange
-
-        return LocalShard(torch.empty(0, dtype=dtype), FlatRange(0, 0), shape)
-    none = (0, *shape[1:])
-    return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape)
-
-
 class HybridCheckpointIO(ZeroCheckpointIO):
     """Saves and loads hybrid-parallel models in the format of every other plugin.
 
     Args:
         replica: Whether this rank is its stage's first data-parallel replica (it writes).
-        layout: ``(tp_size, pp_size)``; optimizer checkpoints need both 1 for now.
+        layout: ``(tp_size, pp_size)``; with both 1, optimizer checkpoints are ZeRO's.
     """
 
     def __init__(self, replica: bool, layout: tuple[int, int]) -> None:
@@ -88,7 +93,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
                     continue
                 value = held.get(name)
                 if value is None:
-                    state[name] = _empty(shape, getattr(torch, dtype.split(".")[-1]))
+                    state[name] = empty_part(shape, getattr(torch, dtype.split(".")[-1]))
                     continue
                 spec = shard_spec(value)
                 part = spec.part if spec is not None else Block.whole(shape)
@@ -135,33 +140,83 @@ class HybridCheckpointIO(ZeroCheckpointIO):
         self.load_model_state(model, chosen, reader)
         reader.close()
 
-    def _refuse_optimizer(self) -> None:
-        if self.layout != (1, 1):
-            raise NotImplementedError(
-                f"optimizer checkpoints of HybridParallelPlugin with tp_size x pp_size = "
-                f"{self.layout[0]} x {self.layout[1]} are not supported yet (only tp_size = "
-                "pp_size = 1); save the model with booster.save_model, which works for every "
-                "layout"
-            )
-
-    def save_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, *args: Any,
-                       **kwargs: Any) -> None:
-        """ZeRO's optimizer save (data and sequence parallelism only, for now).
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+        background_snapshot: bool = False,
+    ) -> None:
+        """Save the optimizer in the one format (collective; see :mod:`.hybrid_optimizer_state`).
 
         Raises:
-            NotImplementedError: Under tensor or pipeline parallelism.
+            NotImplementedError: ``use_async`` under tensor or pipeline parallelism.
         """
-        self._refuse_optimizer()
-        super().save_optimizer(optimizer, checkpoint, *args, **kwargs)
+        if self.layout == (1, 1):
+            super().save_optimizer(optimizer, checkpoint, shard, size_per_shard, use_async,
+                                   background_snapshot)
+            return
+        if use_async:
+            raise NotImplementedError(
+                "asynchronous optimizer saves of HybridParallelPlugin under tensor or pipeline "
+                "parallelism are not supported; pass use_async=False"
+            )
+        names = [self.canonical.get(n, n) for n in param_names(optimizer)]
+        local, meta = indexed_to_named(self.optimizer_state(optimizer), names)
+        params = {names[i]: ref.slot.param for i, ref in sharded_params(optimizer).items()}
+        replica = group_ranks(optimizer.dp_group)[0]
+        mine = []
+        for key, value in local.items():
+            param = params.get(key.rpartition(".")[0])
+            shape = whole_shape(param, value) if param is not None else tuple(value.shape)
+            mine.append((key, shape, str(value.dtype)))
+        tensors: dict[str, Any] = {}
+        for entries in all_gather_object(mine):
+            for key, shape, dtype in entries:
+                if key not in tensors:
+                    held = local.get(key)
+                    tensors[key] = ReplicaState(
+                        held, params.get(key.rpartition(".")[0]), shape,
+                        getattr(torch, dtype.split(".")[-1]), replica if held is not None else None,
+                    )
+        shapes = {n: tuple(_shape(p)) for n, p in params.items()}
+        self.saver.save(
+            tensors, checkpoint, "optimizer", OPTIMIZER_INDEX,
+            size_per_shard if shard else float("inf"), extra=merge_meta(meta, shapes),
+            gather=self.to_full,
+        )
 
     def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
-        """ZeRO's optimizer load (data and sequence parallelism only, for now).
+        """Load any plugin's optimizer checkpoint into this rank's states (collective).
 
         Raises:
-            NotImplementedError: Under tensor or pipeline parallelism.
+            CheckpointError: The checkpoint lacks a parameter this rank holds, or holds it
+                with another shape (another model's).
         """
-        self._refuse_optimizer()
-        super().load_optimizer(optimizer, checkpoint)
+        if self.layout == (1, 1):
+            super().load_optimizer(optimizer, checkpoint)
+            return
+        self.wait_snapshots()
+        directory = resolve_directory(checkpoint)
+        index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
+        reader = TensorReader(directory, index["weight_map"])
+        names = [self.canonical.get(n, n) for n in param_names(optimizer)]
+        refs = sharded_params(optimizer)
+        check_optimizer_fits(index, reader.shape,
+                             {names[i]: tuple(_shape(r.slot.param)) for i, r in refs.items()})
+        position = {n: i for i, n in enumerate(names)}
+
+        def read(param: str, key: str) -> Any:
+            ref = refs.get(position[param])
+            return reader.read(key) if ref is None else read_held_state(
+                reader, ref.slot.param, ref, key)
+
+        state = named_to_indexed(select_groups(index, names), index["weight_map"], names, read,
+                                 keep=self.keep_states)
+        optimizer.load_state_dict(state)
+        reader.close()
 
 
 def _shape(tensor: torch.Tensor) -> Sequence[int]:

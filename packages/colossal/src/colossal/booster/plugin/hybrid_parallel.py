@@ -47,7 +47,14 @@ from colossal.booster.plugin.hybrid_model import (
     repoint_by_alias,
 )
 from colossal.checkpoint_io import CheckpointIO
-from colossal.core import OptimizerWrapper, ParallelDims, ScalerConfig, sharded_view
+from colossal.core import (
+    OptimizerWrapper,
+    ParallelDims,
+    ScalerConfig,
+    get_accelerator,
+    parse_precision,
+    sharded_view,
+)
 from colossal.core.comm import group_ranks
 from colossal.zero import LowLevelZeroOptimizer
 
@@ -337,7 +344,7 @@ class HybridParallelPlugin(DPPluginBase):
         group_names = None
         if optimizer is not None:
             group_names = [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        model = model.to(dtype=dtype)
+        model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
         cfg = self.config
         shard_config = ShardConfig(
             tensor_parallel_process_group=self.tp_group,
@@ -366,9 +373,7 @@ class HybridParallelPlugin(DPPluginBase):
     @property
     def precision_dtype(self) -> torch.dtype:
         """The dtype parameters are cast to."""
-        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-            self.config.precision, torch.float32
-        )
+        return parse_precision(self.config.precision).dtype
 
     def _sum_partial_grads(self, module: nn.Module) -> None:
         """Hooks making sequence-partial gradients whole before ZeRO averages them.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -43,13 +44,20 @@ class CommTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.active = False
         self.by_key: dict[tuple[str, tuple[int, ...]], float] = {}
         self._local = threading.local()
 
-    def install(self) -> None:
-        from colossal.core.comm import errors, ops, sharded
+    def install(self) -> bool:
+        """Wrap ``comm_guard`` where the helpers look it up; False if that layout changed."""
+        try:
+            from colossal.core.comm import errors, ops, sharded
 
-        original = errors.comm_guard
+            original = errors.comm_guard
+            if ops.comm_guard is not original or sharded.comm_guard is not original:
+                return False
+        except (ImportError, AttributeError):
+            return False
         timer = self
 
         @contextlib.contextmanager
@@ -70,6 +78,7 @@ class CommTimer:
 
         ops.comm_guard = timed_guard
         sharded.comm_guard = timed_guard
+        return True
 
     def snapshot(self) -> dict[tuple[str, tuple[int, ...]], float]:
         """A copy of the per-(kind, group) seconds so far."""
@@ -101,6 +110,8 @@ class Trainer:
     phase_names: tuple[str, ...] = ()
 
     def __init__(self) -> None:
+        self.key = ""  # the configuration's key in the rows
+        self.first_loss: float | None = None
         self.phases: list[dict[str, float]] = []
         self.steps = 0
         self.last_memory: dict[str, int] = {}
@@ -314,8 +325,7 @@ def _build(factory: Callable[[], Trainer], size: dict[str, int]) -> tuple[Traine
     trainer, error = None, ""
     try:
         trainer = factory()
-        loss = trainer.step(global_batch(size, 0))
-        trainer.first_loss = loss  # type: ignore[attr-defined]
+        trainer.first_loss = trainer.step(global_batch(size, 0))
     except Exception as exc:  # noqa: BLE001 - a failed peer is a row, not a crash
         traceback.print_exc()
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -394,9 +404,9 @@ def run_layout(layout: str, args: Any, rank: int) -> list[dict[str, Any]]:
             if key in FALLBACK and FALLBACK[key] not in built:
                 todo.append(FALLBACK[key])  # the closest working alternative
             continue
-        trainer.key = key  # type: ignore[attr-defined]
+        trainer.key = key
         trainers.append(trainer)
-    firsts = {t.key: _mean_loss(t.first_loss) for t in trainers}  # type: ignore[attr-defined]
+    firsts = {t.key: _mean_loss(t.first_loss) for t in trainers}
     step = 1
     for _ in range(args.warmup - 1):  # the first step was one warm-up step
         ids = global_batch(size, step)
@@ -405,22 +415,22 @@ def run_layout(layout: str, args: Any, rank: int) -> list[dict[str, Any]]:
         step += 1
     for t in trainers:
         t.phases.clear()
-    times: dict[str, list[float]] = {t.key: [] for t in trainers}  # type: ignore[attr-defined]
-    cpu: dict[str, list[float]] = {t.key: [] for t in trainers}  # type: ignore[attr-defined]
+    times: dict[str, list[float]] = {t.key: [] for t in trainers}
+    cpu: dict[str, list[float]] = {t.key: [] for t in trainers}
     last: dict[str, float | None] = {}
     for r in range(args.rounds):
         ids = global_batch(size, step)
         step += 1
         for t in trainers if r % 2 == 0 else trainers[::-1]:
             wall, cpu_s, loss = span(lambda t=t, ids=ids: t.step(ids))
-            times[t.key].append(wall)  # type: ignore[attr-defined]
-            cpu[t.key].append(cpu_s)  # type: ignore[attr-defined]
-            last[t.key] = loss  # type: ignore[attr-defined]
+            times[t.key].append(wall)
+            cpu[t.key].append(cpu_s)
+            last[t.key] = loss
     last_mean = {k: _mean_loss(v) for k, v in last.items()}
     profiles = {}
     if args.profile:
         ids = global_batch(size, step)
-        profiles = {t.key: _profile(t, ids, args.profile, rank) for t in trainers}  # type: ignore[attr-defined]
+        profiles = {t.key: _profile(t, ids, args.profile, rank) for t in trainers}
     for t in trainers:
         phases = all_gather_object(t.phases)  # per rank, per round
         memory = all_gather_object(t.last_memory)
@@ -430,14 +440,14 @@ def run_layout(layout: str, args: Any, rank: int) -> list[dict[str, Any]]:
             per_round = [max(rank_phases[i].get(name, 0.0) for rank_phases in phases)
                          for i in range(len(phases[0]))]  # fmt: skip
             per_phase[f"{name}_ms"] = statistics.median(per_round) * 1e3
-        if not isinstance(t, OursTP | OursPP):
+        if not isinstance(t, OursTP | OursPP) or not COMM.active:
             per_phase.pop("comm_ms", None)  # not measured for the peers (see --profile)
         top = max(memory, key=lambda m: m["total"])
-        ts = times[t.key]  # type: ignore[attr-defined]
+        ts = times[t.key]
         rows.append(
             {
                 "layout": layout,
-                "config": t.key,  # type: ignore[attr-defined]
+                "config": t.key,
                 "name": t.name,
                 "status": "ok",
                 "rounds": len(ts),
@@ -445,13 +455,13 @@ def run_layout(layout: str, args: Any, rank: int) -> list[dict[str, Any]]:
                 "min_ms": min(ts) * 1e3,
                 "max_ms": max(ts) * 1e3,
                 "steps_ms": [round(x * 1e3, 1) for x in ts],
-                "cpu_ms": statistics.median(cpu[t.key]) * 1e3,  # type: ignore[attr-defined]
+                "cpu_ms": statistics.median(cpu[t.key]) * 1e3,
                 "model_state_MB": top["total"] / 2**20,
                 "memory_breakdown_MB": {k: round(v / 2**20, 2) for k, v in top.items()},
-                "first_loss": firsts[t.key],  # type: ignore[attr-defined]
-                "last_loss": last_mean.get(t.key),  # type: ignore[attr-defined]
+                "first_loss": firsts[t.key],
+                "last_loss": last_mean.get(t.key),
                 **per_phase,
-                **({"_profile": profiles[t.key]} if profiles.get(t.key) else {}),  # type: ignore[attr-defined]
+                **({"_profile": profiles[t.key]} if profiles.get(t.key) else {}),
             }
         )
     order = list(built)
@@ -465,7 +475,9 @@ def worker(rank: int, world_size: int, args: Any) -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    COMM.install()
+    COMM.active = COMM.install()
+    if not COMM.active and rank == 0:
+        print("hybrid: comm timing unavailable (colossal.core.comm changed)", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for layout in args.layouts:
         rows += run_layout(layout, args, rank)

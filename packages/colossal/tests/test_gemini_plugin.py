@@ -235,11 +235,9 @@ def _plugin(**kwargs: object) -> object:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"tp_size": 2}, NotImplementedError, r"tp_size=2.*Shardformer.*HybridParallelPlugin"),
-        ({"extra_dp_size": 2}, NotImplementedError, r"extra_dp_size=2.*tp_size=1"),
-        ({"enable_flash_attention": True}, NotImplementedError,
-         r"enable_flash_attention=True.*Shardformer"),
-        ({"enable_all_optimization": True}, NotImplementedError, r"HybridParallelPlugin"),
+        ({"extra_dp_size": 2}, NotImplementedError,
+         r"extra_dp_size=2.*cannot reduce gradients across replicas"),
+        ({"enable_sequence_parallelism": True}, ValueError, r"needs tp_size > 1, got tp_size=1"),
         ({"tp_size": 0}, ValueError, r"tp_size=0 must be an int >= 1"),
         ({"placement_policy": "cuda"}, ValueError, r"placement_policy='cuda'.*'static'.*'auto'"),
         ({"shard_param_frac": 1.5}, ValueError, r"shard_param_frac=1.5 is outside \[0, 1\]"),

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.core import ModelWrapper
+from colossal.core import ModelWrapper, keep_alive
 from colossal.gemini.chunk import Chunk, ChunkManager, search_chunk_configuration
 from colossal.gemini.ddp.hooks import ChunkRuntime
 from colossal.gemini.memory import (
@@ -71,7 +71,9 @@ class GeminiDDP(ModelWrapper):
     Args:
         module: The model (its parameters are moved into chunks).
         process_group: The data-parallel group (``None``: the default group, or one process
-            without torch.distributed).
+            without torch.distributed). Next to tensor parallelism the job has several
+            data-parallel groups: each rank passes its own (only its ranks take part in
+            building the model).
         precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the dtype of the chunks (compute).
         chunk_config_dict: ``{"chunk_size": elements, "keep_gathered": bool}``; ``None``
             searches the size (:func:`~colossal.gemini.search_chunk_configuration`).
@@ -198,8 +200,11 @@ class GeminiDDP(ModelWrapper):
 
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD) \
             if dist.is_initialized() else [0]
-        self.reduce_group = dist.new_group(ranks) if dist.is_initialized() and world > 1 \
-            else None
+        # Only this group's ranks create it (its name hashes the ranks): next to tensor
+        # parallelism every rank passes another data-parallel group, and a job-wide
+        # ``new_group`` would pair ranks of different groups under one name.
+        self.reduce_group = keep_alive(dist.new_group(ranks, use_local_synchronization=True)) \
+            if dist.is_initialized() and world > 1 else None
         self._runtime = ChunkRuntime(
             self.chunk_manager,
             self.reduce_group,

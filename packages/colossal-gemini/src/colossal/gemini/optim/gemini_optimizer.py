@@ -15,15 +15,22 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from colossal.core import DynamicGradScaler, OptimizerWrapper, get_accelerator
+from colossal.core import DynamicGradScaler, OptimizerWrapper, get_accelerator, keep_alive
 from colossal.core.precision import Precision, ScalerConfig, parse_precision, scaler_config_from
-from colossal.gemini.optim.grad_stats import GradStats, check_norm_type, reduce_grad_stats
+from colossal.gemini.optim.grad_stats import (
+    GradStats,
+    check_norm_type,
+    norm_pieces,
+    reduce_grad_stats,
+)
 from colossal.gemini.optim.shards import MasterView, build_master_views
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,12 @@ class GeminiOptimizer(OptimizerWrapper):
     shards and one all-reduce of two numbers over the chunks' group; a bf16/fp32 step without
     clipping measures nothing (as ColossalAI's, :meth:`get_grad_norm` is then ``None``).
 
+    Next to tensor parallelism (the module's parameters are this rank's parts, the chunks
+    are sharded over the data-parallel group), pass ``tp_process_group``: the two numbers are
+    then also summed over it, so the verdict and the norm cover every rank; and call
+    :meth:`exclude_from_norm` with the parameters another tensor-parallel rank counts (those
+    replicated over the group, on every rank but one), so each gradient counts once.
+
     Args:
         optim: The optimizer over the original model's parameters; its state must be empty.
         module: The ``GeminiDDP`` model (anything with a ``chunk_manager``, a ``backward``
@@ -83,6 +96,9 @@ class GeminiOptimizer(OptimizerWrapper):
         verbose: Log skipped steps and scale changes at INFO level.
         scaler_config: The loss scaler settings as one ``ScalerConfig`` (instead of the
             seven keyword settings).
+        tp_process_group: The tensor-parallel group the module's parameters are split over
+            (None: no tensor parallelism); the overflow verdict and the norm are reduced
+            over it after the chunks' group.
 
     Raises:
         TypeError: ``optim`` is not a torch optimizer, or ``module`` has no chunk manager.
@@ -106,6 +122,7 @@ class GeminiOptimizer(OptimizerWrapper):
         norm_type: float = 2.0,
         verbose: bool = False,
         scaler_config: ScalerConfig | None = None,
+        tp_process_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(optim)
         manager = getattr(module, "chunk_manager", None)
@@ -126,6 +143,7 @@ class GeminiOptimizer(OptimizerWrapper):
         self.module = module
         self.chunk_manager = manager
         self.group = manager.group
+        self.tp_group = keep_alive(tp_process_group)
         self.precision = _precision_of(module, manager)
         self.scaler_config = config
         self.scaler = DynamicGradScaler(config) if self.precision.needs_loss_scaling else None
@@ -144,6 +162,7 @@ class GeminiOptimizer(OptimizerWrapper):
         self._fused_grads = self._fused_div and _step_takes(optim, "grads")
         self._device = get_accelerator().get_current_device()
         self._stats: GradStats | None = None  # of the gradients waiting for the next step
+        self._norm_excluded: set[int] = set()  # ids of parameters another tp rank counts
         self._last_norm: float | None = None
         self._pending_clip: float | None = None
 
@@ -198,13 +217,30 @@ class GeminiOptimizer(OptimizerWrapper):
         self.module.backward_by_grad(tensor, grad, *args, **kwargs)
 
     # ------------------------------------------------------------------ norm and clipping
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return [c.grad_shard for c in self._chunks if c.grad_shard is not None]
+    def exclude_from_norm(self, params: Sequence[torch.Tensor]) -> None:
+        """Leave ``params`` out of this rank's share of the global gradient norm.
+
+        For gradients another rank of ``tp_process_group`` holds alike (a parameter
+        replicated over the tensor-parallel group, counted on its first rank only): summed
+        over the group they would count several times. They are still checked for inf/NaN.
+        Replaces an earlier call.
+
+        Raises:
+            ValueError: A parameter the module's chunks do not manage.
+        """
+        foreign = [tuple(p.shape) for p in params if not _managed(self.chunk_manager, p)]
+        if foreign:
+            raise ValueError(f"exclude_from_norm: parameters of shapes {foreign} are not "
+                             "managed by this optimizer's Gemini module; pass its parameters")
+        self._norm_excluded = {id(p) for p in params}
+        self._stats = None
 
     def _grad_stats(self) -> GradStats:
         if self._stats is None:
-            self._stats = reduce_grad_stats(self._grad_shards(), self.norm_type, self.group,
-                                            self._device)
+            counted, uncounted = norm_pieces(self._chunks, self._norm_excluded)
+            extra = () if self.tp_group is None else (self.tp_group,)
+            self._stats = reduce_grad_stats(counted, self.norm_type, self.group, self._device,
+                                            uncounted=uncounted, extra_groups=extra)
         return self._stats
 
     def _unscaled_norm(self, stats: GradStats) -> float:
@@ -216,7 +252,7 @@ class GeminiOptimizer(OptimizerWrapper):
         The norm is over every rank's gradient shards (each gradient element counted once),
         equal to ``torch.nn.utils.clip_grad_norm_`` on the whole model's averaged gradients;
         the clip itself is applied inside :meth:`step`, with the unscaling. Collective:
-        every rank of the group must call it.
+        every rank of the group (and of ``tp_process_group``) must call it.
 
         Raises:
             ValueError: ``max_norm`` is not positive, or ``norm_type`` differs from the

@@ -6,6 +6,16 @@ optimizer in :class:`~colossal.gemini.GeminiOptimizer` (the user's optimizer ste
 rank's fp32 master shards; fp16 dynamic loss scaling, global-norm clipping). Build the
 optimizer over the model's parameters before boosting: Gemini moves the parameters' data
 into chunks, and the optimizer is rebuilt over the master shards.
+
+With ``tp_size > 1`` the plugin composes Gemini with Shardformer's tensor parallelism: the
+ranks are laid out by :class:`~colossal.core.ParallelDims` (``dp = world / tp`` outside,
+``tp`` inside), Shardformer splits the model over the tensor-parallel group, the user's
+optimizer is pointed at the split parameters by name (a tied weight under any of its
+names), and Gemini shards this rank's parts over the data-parallel group. Gradients are
+averaged over dp by Gemini; under sequence parallelism the norms' partial gradients are
+summed over tp as autograd produces them. The gradient norm and the fp16 overflow verdict
+are reduced over dp and then tp; a parameter replicated over tp is counted on tp rank 0
+only, a split one on every tp rank (its parts).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -28,11 +39,18 @@ from colossal.booster.plugin.base import (
 from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 from colossal.booster.plugin.gemini_config import (
     GeminiConfig,
+    ShardformerOptions,
     normalize_chunk_config,
-    refuse_shardformer_options,
 )
+from colossal.booster.plugin.hybrid_model import repoint_by_alias
 from colossal.checkpoint_io import CheckpointIO
-from colossal.core import OptimizerWrapper, ScalerConfig, get_accelerator
+from colossal.core import (
+    OptimizerWrapper,
+    ParallelDims,
+    ScalerConfig,
+    get_accelerator,
+    shard_spec,
+)
 from colossal.gemini import GeminiDDP, GeminiOptimizer, MemStats
 
 logger = logging.getLogger(__name__)
@@ -91,25 +109,29 @@ class GeminiPlugin(DPPluginBase):
         max_norm: Clip gradients to this global norm at every step (0: no clipping); do not
             clip by hand as well.
         norm_type: The norm of the clipping.
-        tp_size: Must be 1: tensor parallelism needs Shardformer (``HybridParallelPlugin``).
-        extra_dp_size: Must be 1 (an extra group exists only next to tensor parallelism).
-        enable_all_optimization: Must be False (a Shardformer optimization).
-        enable_fused_normalization: Must be False (a Shardformer optimization).
-        enable_flash_attention: Must be False (a Shardformer optimization).
-        enable_sequence_parallelism: Must be False (a Shardformer optimization).
-        enable_jit_fused: Must be False (a Shardformer optimization).
-        enable_sequence_overlap: Must be False (a Shardformer optimization).
+        tp_size: Tensor-parallel size (Shardformer; the model must be a Hugging Face model
+            it has a policy for); the data-parallel size is ``world / tp_size``.
+        extra_dp_size: Must be 1: Gemini shards each chunk over the whole data-parallel
+            group and cannot reduce gradients across replicas of a smaller one.
+        enable_all_optimization: Fused normalization and flash attention (Shardformer).
+        enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm (Shardformer).
+        enable_flash_attention: colossal-kernels' attention dispatch (Shardformer).
+        enable_sequence_parallelism: Split the sequence over the tensor-parallel group
+            (``split_gather``; needs ``tp_size > 1``).
+        enable_jit_fused: Accepted for compatibility (a no-op in Shardformer).
+        enable_sequence_overlap: Shardformer's option (needs sequence parallelism).
         verbose: Log the chunk layout, skipped steps and scale changes.
         device_memory_limit: Device capacity for Gemini's accounting (bytes or ``"512MB"``;
             None: ``COLOSSAL_DEVICE_MEMORY_LIMIT`` or the accelerator's memory). On CPU it
             makes placement and eviction account "device" memory against this limit.
         max_prefetch: Chunks gathered ahead of their use (asynchronously).
-        dp_group: The data-parallel group (the whole job when None).
+        dp_group: The data-parallel group (the whole job when None; not with
+            ``tp_size > 1``, whose groups come from the job's layout).
 
     Raises:
-        ValueError: A value out of range (the message names it and the fix).
-        NotImplementedError: ``tp_size > 1``, ``extra_dp_size > 1`` or an ``enable_*``
-            Shardformer flag (use ``HybridParallelPlugin``).
+        ValueError: A value out of range or a layout that cannot work (the message names
+            it and the fix).
+        NotImplementedError: ``extra_dp_size > 1``.
 
     Example:
         >>> plugin = GeminiPlugin(precision="bf16", max_norm=1.0)
@@ -161,9 +183,9 @@ class GeminiPlugin(DPPluginBase):
         max_prefetch: int = 0,
         dp_group: Any = None,
     ) -> None:
-        refuse_shardformer_options(
-            tp_size,
-            extra_dp_size,
+        shard_options = ShardformerOptions(
+            tp_size=tp_size,
+            extra_dp_size=extra_dp_size,
             enable_all_optimization=enable_all_optimization,
             enable_fused_normalization=enable_fused_normalization,
             enable_flash_attention=enable_flash_attention,
@@ -207,15 +229,32 @@ class GeminiPlugin(DPPluginBase):
                 max_scale=max_scale,
             ),
         )
-        super().__init__(dp_group)
+        if tp_size > 1:
+            super().__init__(parallel_dims=_tensor_parallel_dims(tp_size, dp_group))
+        else:
+            super().__init__(dp_group)
         self.config = config
+        self.shard_options = shard_options
+        # Every group now, in one order on every rank (creating groups is collective).
+        self.tp_group = self.parallel_dims.group("tp") if tp_size > 1 else None
         self.chunk_config = normalize_chunk_config(chunk_config_dict, self.world_size)
         self.memstats = memstats
         self.device_memory_limit = device_memory_limit
         self.verbose = bool(verbose)
         self._check_device()
         warn_if_slow_precision("GeminiPlugin", config.precision)
-        self._checkpoint_io = GeminiCheckpointIO(group=self.dp_group)
+        self._checkpoint_io = GeminiCheckpointIO(group=self.dp_group) if tp_size == 1 \
+            else GeminiCheckpointIO(parallel_dims=self.parallel_dims)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.shard_options.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size (the ranks each chunk is sharded over)."""
+        return self.world_size
 
     def _check_device(self) -> None:
         device = self.config.chunk_init_device
@@ -249,8 +288,8 @@ class GeminiPlugin(DPPluginBase):
         return self.config.enable_gradient_accumulation
 
     def support_lora(self) -> bool:
-        """True: ``Booster.enable_lora`` (peft); frozen base weights get no optimizer state."""
-        return True
+        """Without tensor parallelism (LoRA adapters are not split); base weights get no state."""
+        return self.tp_size == 1
 
     def _ddp_kwargs(self) -> dict[str, Any]:
         cfg = self.config
@@ -301,6 +340,8 @@ class GeminiPlugin(DPPluginBase):
                 "GeminiPlugin: boost the optimizer before its first step (its state is not "
                 "empty); Gemini rebuilds it over the chunks' master shards"
             )
+        if self.shard_options.uses_shardformer:
+            model = self._shard(model, optimizer)
         model = GeminiDDP(model, **self._ddp_kwargs())
         if optimizer is not None:
             optimizer = GeminiOptimizer(
@@ -310,8 +351,37 @@ class GeminiPlugin(DPPluginBase):
                 norm_type=self.config.norm_type,
                 verbose=self.verbose,
                 scaler_config=self.config.scaler_config,
+                tp_process_group=self.tp_group,
             )
+            if self.tp_group is not None:
+                optimizer.exclude_from_norm(self._counted_elsewhere(model.module))
         return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _shard(self, model: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        """Shardformer over the tensor-parallel group; the optimizer follows by name."""
+        from colossal.shardformer import ShardConfig, ShardFormer
+        from colossal.shardformer.sequence.grad_sync import register_partial_grad_hooks
+
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        group_names = [] if optimizer is None else \
+            [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        shard_config = ShardConfig(tensor_parallel_process_group=self.tp_group,
+                                   **self.shard_options.shard_config_kwargs())
+        module, _ = ShardFormer(shard_config).optimize(model)
+        # split_gather's norms see this rank's tokens: their gradients are summed over tp as
+        # autograd produces them (Gemini averages over dp only, so nothing is scaled).
+        register_partial_grad_hooks(module)
+        if optimizer is not None:
+            repoint_by_alias(optimizer, module, group_names)
+        return module
+
+    def _counted_elsewhere(self, module: nn.Module) -> list[torch.Tensor]:
+        """Parameters replicated over tp on tp ranks other than 0 (rank 0 counts them)."""
+        if self.parallel_dims.coordinate("tp") == 0:
+            return []
+        return [p for p in module.parameters() if p.requires_grad and shard_spec(p) is None]
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """:class:`GeminiCheckpointIO` (chunk by chunk, the one checkpoint format)."""
@@ -341,3 +411,29 @@ class GeminiPlugin(DPPluginBase):
                 f"{type(model).__name__}"
             )
         return ddp.no_sync()
+
+
+def _tensor_parallel_dims(tp_size: int, dp_group: Any) -> ParallelDims:
+    """``ParallelDims(dp=world / tp_size, tp=tp_size)`` of the whole job, validated.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: A ``dp_group`` was given, or ``tp_size`` does not divide the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "GeminiPlugin needs torch.distributed initialized first: call "
+            "colossal.core.launch_from_torch() (under torchrun) or launch(...)"
+        )
+    if dp_group is not None:
+        raise ValueError(
+            f"GeminiPlugin(tp_size={tp_size}, dp_group=...): with tensor parallelism the "
+            "groups come from the job's layout (dp = world / tp_size); leave dp_group None"
+        )
+    world = dist.get_world_size()
+    if world % tp_size:
+        raise ValueError(
+            f"GeminiPlugin: tp_size={tp_size} does not divide the world size {world}; choose "
+            f"a tp_size that divides it (the data-parallel size is world / tp_size)"
+        )
+    return ParallelDims(dp=world // tp_size, tp=tp_size)

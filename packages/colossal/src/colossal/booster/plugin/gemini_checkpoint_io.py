@@ -10,6 +10,15 @@ extra memory per rank. Loading reads only each rank's flat range
 of every tensor and writes it into the fp32 masters, the low-precision shards and the
 kept-gathered payloads. The files are the same as every other plugin's: a Gemini checkpoint
 loads under DDP, FSDP2 or ZeRO at any world size, and theirs load here.
+
+Next to tensor parallelism (``GeminiPlugin(tp_size > 1)``) a chunk holds a flat range of
+this rank's tensor-parallel part of each parameter, so the IO works over the whole job: a
+tensor is a :class:`_TensorParallelChunk`, whose gather first gathers the chunk over the
+data-parallel group to the rank of the writer's data-parallel coordinate (one chunk at a
+time), then the tensor-parallel parts (a parameter replicated over tp from tp rank 0 only)
+to the writer: full tensors under the model's names, as every plugin writes them. Loading
+reads this rank's tensor-parallel part and keeps its flat range. Optimizer states laid out
+like their parameter are saved and loaded the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +43,16 @@ from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_fit import param_shapes_entry
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.template import unwrap_model
-from colossal.core import FlatRange, OptimizerWrapper, ShardedTensor
+from colossal.core import (
+    Block,
+    FlatRange,
+    LocalPart,
+    LocalShard,
+    OptimizerWrapper,
+    ParallelDims,
+    ShardedTensor,
+    shard_spec,
+)
 from colossal.core.comm import group_ranks
 from colossal.gemini import (
     ChunkGatherer,
@@ -82,16 +100,105 @@ def _stream_order(item: tuple[str, Any]) -> tuple[int, str, int]:
     return order if order is not None else (-1, "", 0)
 
 
+def _empty(shape: torch.Size, dtype: torch.dtype) -> LocalShard:
+    """The part of a rank that holds none of a tensor of ``shape`` (held elsewhere)."""
+    if not shape:
+        return LocalShard(torch.empty(0, dtype=dtype), FlatRange(0, 0), shape)
+    none = (0, *shape[1:])
+    return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape)
+
+
+class _TensorParallelChunk:
+    """A Gemini-managed tensor-parallel part as a ``ShardedTensor`` over the whole job.
+
+    ``part`` is what this rank's data-parallel group holds together (the parameter's
+    tensor-parallel part, or all of it when replicated over tp); ``local()`` gathers it
+    (collective over the data-parallel group). ``gather(dst)`` is collective over the job.
+
+    Args:
+        inner: The parameter's flat range in its chunk.
+        dims: The job's layout (``dp`` and ``tp`` axes).
+    """
+
+    def __init__(self, inner: ChunkTensor, dims: ParallelDims) -> None:
+        self.inner, self.dims = inner, dims
+        self.spec = shard_spec(inner.param)
+        self._shape = torch.Size(self.spec.shape if self.spec is not None else inner.shape)
+        # A replicated parameter is given by tp rank 0 only (every tp rank holds it alike).
+        self._gives = self.spec is not None or dims.coordinate("tp") == 0
+
+    @property
+    def shape(self) -> torch.Size:
+        """The whole tensor's shape (unpadded)."""
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """fp32 with master weights, else the chunk's dtype."""
+        return self.inner.dtype
+
+    @property
+    def order(self) -> tuple[int, str, int]:
+        """The chunk-by-chunk order of the inner tensor."""
+        return self.inner.order
+
+    @property
+    def part(self) -> LocalPart:
+        """The tensor-parallel part this rank's data-parallel group holds."""
+        return self.spec.part if self.spec is not None else Block.whole(self._shape)
+
+    def local(self) -> torch.Tensor:
+        """This rank's tensor-parallel part (padding included); collective over dp."""
+        full = self.inner.gather(None)
+        assert full is not None
+        return full
+
+    def gather(self, dst: int | None = None) -> torch.Tensor | None:
+        """The whole tensor on global rank ``dst`` (every rank when None); collective.
+
+        The chunk is gathered over each data-parallel group to its rank at ``dst``'s
+        data-parallel coordinate (at coordinate 0 when ``dst`` is None), which then give
+        their tensor-parallel parts.
+        """
+        row = self.dims.coordinate("dp", dst) if dst is not None else 0
+        writer = self.dims.ranks("dp")[row]
+        local = self.inner.gather(writer if dst is not None else None)
+        if self._gives and dist.get_rank() == writer:
+            assert local is not None
+            shard = LocalShard(local, self.part, self._shape)
+        else:
+            shard = _empty(self._shape, self.dtype)
+        return shard.gather(dst)
+
+    def __repr__(self) -> str:
+        return f"_TensorParallelChunk({self.inner!r}, shape={tuple(self._shape)})"
+
+
 class GeminiCheckpointIO(CheckpointIO):
     """Checkpoint IO of Gemini models and optimizers (any other model: as CheckpointIO).
 
     Args:
         group: The ranks that write and read together (the whole job when None).
         verify_checksums: Check every file's CRC-32 before loading.
+        parallel_dims: The job's layout when Gemini runs next to tensor parallelism
+            (``tp > 1``; then ``group`` must be None: the IO works over the whole job).
+
+    Raises:
+        ValueError: ``parallel_dims`` with tensor parallelism and a ``group``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        verify_checksums: bool = True,
+        parallel_dims: ParallelDims | None = None,
+    ) -> None:
+        tp = parallel_dims is not None and parallel_dims.tp > 1
+        if tp and group is not None:
+            raise ValueError("GeminiCheckpointIO: with tensor parallelism the IO works over "
+                             "the whole job; pass parallel_dims without group")
         super().__init__(group, verify_checksums)
+        self.parallel_dims = parallel_dims if tp else None
 
     def _in_place(self, manager: Any) -> bool:
         """Whether a sync save may write in place: the chunks are sharded over our group.
@@ -108,11 +215,21 @@ class GeminiCheckpointIO(CheckpointIO):
     def _gemini_state(self, gemini: GeminiDDP, gatherer: ChunkGatherer) -> dict[str, Any]:
         """Managed parameters chunk by chunk (each once), then the persistent buffers."""
         state: dict[str, Any] = dict(model_shards(gemini, gatherer))
+        state = {n: self._tp_view(t) for n, t in state.items()}
         params = {id(p) for p in gemini.module.parameters()}
         for name, value in gemini.module.state_dict(keep_vars=True).items():
             if name not in state and id(value) not in params and isinstance(value, torch.Tensor):
-                state[name] = value.detach()  # buffers (and extra state tensors)
+                state[name] = self._buffer(value)  # buffers (and extra state tensors)
         return state
+
+    def _buffer(self, value: torch.Tensor) -> Any:
+        """A buffer as saved: itself, or (split over tp) its part from dp rank 0."""
+        spec = shard_spec(value)
+        if spec is None or self.parallel_dims is None:
+            return value.detach()
+        if self.parallel_dims.coordinate("dp") == 0:
+            return LocalShard(value.detach(), spec.part, spec.shape)
+        return _empty(spec.shape, value.dtype)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """A Gemini model's parameters as ``ChunkTensor`` (tied ones once) and its buffers."""
@@ -225,7 +342,7 @@ class GeminiCheckpointIO(CheckpointIO):
             if source is None:
                 missing.append(names[0])
                 continue
-            _check_shape(reader, source, tuple(chunk.infos[p].shape), reader.directory)
+            _check_shape(reader, source, _whole_shape(chunk, p), reader.directory)
             chosen.append((chunk, p, source))
         plain: dict[str, torch.Tensor] = {}
         for name, buf in buffers.items():
@@ -246,7 +363,7 @@ class GeminiCheckpointIO(CheckpointIO):
             for chunk, p, source in chosen:
                 start, stop, _ = chunk.tensor_shard(p, source="master")
                 if stop > start:
-                    load_piece(chunk, p, reader.read_part(source, FlatRange(start, stop)))
+                    load_piece(chunk, p, _read_range(reader, source, chunk, p, start, stop))
             refresh_chunks(gemini.chunk_manager)  # collective: every rank, same chunks
             for name, buf in plain.items():
                 buf.copy_(reader.read(name).reshape(buf.shape))
@@ -268,7 +385,8 @@ class GeminiCheckpointIO(CheckpointIO):
         names = param_names(gemini)
         position = {n: i for i, n in enumerate(names)}
         shards = optimizer_shards(gemini, gatherer)
-        state = {position[name]: entries for name, entries in shards.items()}
+        state = {position[name]: {k: self._tp_view(v) for k, v in entries.items()}
+                 for name, entries in shards.items()}
         groups, start = [], 0
         for group, group_names in zip(gemini.optim.param_groups, gemini.param_names or (),
                                       strict=True):
@@ -287,8 +405,14 @@ class GeminiCheckpointIO(CheckpointIO):
         out: dict[int, ShardedTensor] = {}
         for i, name in enumerate(param_names(gemini)):
             p = manager.param(name)
-            out[i] = ChunkTensor(manager.chunk_of(p), p)
+            out[i] = self._tp_view(ChunkTensor(manager.chunk_of(p), p))
         return out
+
+    def _tp_view(self, value: Any) -> Any:
+        """``value`` over the whole job when it is a chunk tensor next to tensor parallelism."""
+        if self.parallel_dims is None or not isinstance(value, ChunkTensor):
+            return value
+        return _TensorParallelChunk(value, self.parallel_dims)
 
     def save_optimizer(
         self,
@@ -355,13 +479,14 @@ class GeminiCheckpointIO(CheckpointIO):
             view = pieces.get(param)
             if view is None:
                 return _SKIP  # this rank holds none of the parameter (or it is frozen)
-            shape = tuple(manager.chunk_of(manager.param(param)).infos[view.param].shape)
+            chunk = manager.chunk_of(manager.param(param))
+            shape = _whole_shape(chunk, view.param)
             if stored != shape:
                 raise CheckpointError(
                     f"optimizer state {key!r} has shape {stored} in the checkpoint but the "
                     f"parameter has {shape}: the checkpoint belongs to another model"
                 )
-            return reader.read_part(key, FlatRange(view.start, view.stop))
+            return _read_range(reader, key, chunk, view.param, view.start, view.stop)
 
         indexed = named_to_indexed(meta, reader.weight_map, names, read)
         state: dict[str, Any] = {}
@@ -375,6 +500,26 @@ class GeminiCheckpointIO(CheckpointIO):
                    "params": [names[i] for i in g["params"]]} for g in indexed["param_groups"]]
         scaler = indexed.get("loss_scaler") if gemini.scaler is not None else None
         gemini.load_state_dict({"state": state, "param_groups": groups, "loss_scaler": scaler})
+
+
+def _whole_shape(chunk: Any, param: nn.Parameter) -> tuple[int, ...]:
+    """The shape of the whole tensor ``param`` is (a part of, when split over tp)."""
+    spec = shard_spec(param)
+    return tuple(spec.shape) if spec is not None else tuple(chunk.infos[param].shape)
+
+
+def _read_range(
+    reader: TensorReader, name: str, chunk: Any, param: nn.Parameter, start: int, stop: int
+) -> torch.Tensor:
+    """Elements ``[start, stop)`` of ``param`` as held (its tensor-parallel part, padded)."""
+    spec = shard_spec(param)
+    if spec is None:
+        return reader.read_part(name, FlatRange(start, stop))
+    part = reader.read_part(name, spec.part)
+    local = torch.zeros(chunk.infos[param].shape, dtype=part.dtype)  # padding stays zero
+    held = spec.part.real(local)
+    held.copy_(part.reshape(held.shape))
+    return local.reshape(-1)[start:stop]
 
 
 def _check_shape(reader: TensorReader, name: str, shape: tuple[int, ...], where: str) -> None:

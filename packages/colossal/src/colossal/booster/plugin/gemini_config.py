@@ -1,9 +1,9 @@
 """Validated settings of :class:`~colossal.booster.plugin.gemini.GeminiPlugin`.
 
 One frozen dataclass per concern: :class:`GeminiConfig` holds what ``GeminiDDP`` and
-``GeminiOptimizer`` receive; :func:`refuse_shardformer_options` rejects the documented
-arguments that need Shardformer (tensor parallelism and its optimizations), which the
-``HybridParallelPlugin`` wires (issue 16).
+``GeminiOptimizer`` receive; :class:`ShardformerOptions` the tensor-parallel size and the
+Shardformer optimizations applied before Gemini wraps the model (``extra_dp_size > 1`` is
+refused: Gemini cannot reduce gradients across replicas of a shard group).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from colossal.core import ScalerConfig, parse_precision
 
-__all__ = ["GeminiConfig", "normalize_chunk_config", "refuse_shardformer_options"]
+__all__ = ["GeminiConfig", "ShardformerOptions", "normalize_chunk_config"]
 
 _PLACEMENTS = ("static", "auto")
 _PRECISIONS = ("fp16", "bf16", "fp32")
@@ -54,41 +54,76 @@ def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
     return float(value)
 
 
-def refuse_shardformer_options(tp_size: Any, extra_dp_size: Any, **flags: bool) -> None:
-    """Refuse the documented arguments that need Shardformer (not wired into Gemini yet).
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GeminiPlugin: {name}={value!r} must be an int >= 1 (1: off)")
+    return value
 
-    Args:
-        tp_size: Tensor-parallel size (only 1 is supported).
-        extra_dp_size: Extra data-parallel group size (only 1 is supported).
-        **flags: The ``enable_*`` Shardformer optimization flags (all must be False).
+
+@dataclasses.dataclass(frozen=True)
+class ShardformerOptions:
+    """Tensor parallelism and the Shardformer optimizations of a :class:`GeminiPlugin`.
+
+    Attributes:
+        tp_size: Tensor-parallel size (1: none); the data-parallel size is the rest.
+        extra_dp_size: Replicas of the Gemini shard group (only 1 is supported).
+        enable_all_optimization: Fused normalization, flash attention (Shardformer).
+        enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm.
+        enable_flash_attention: colossal-kernels' attention dispatch.
+        enable_sequence_parallelism: Split the sequence over the tensor-parallel group
+            (``split_gather``); needs ``tp_size > 1``.
+        enable_jit_fused: Accepted (a no-op in Shardformer).
+        enable_sequence_overlap: Shardformer's option (needs sequence parallelism).
 
     Raises:
-        ValueError: ``tp_size`` or ``extra_dp_size`` is not a positive int.
-        NotImplementedError: ``tp_size > 1``, ``extra_dp_size > 1`` or a flag is set.
+        ValueError: A size is not an int >= 1, or a flag lacks what it needs.
+        NotImplementedError: ``extra_dp_size > 1``.
     """
-    for name, value in (("tp_size", tp_size), ("extra_dp_size", extra_dp_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"GeminiPlugin: {name}={value!r} must be an int >= 1 (1: off)")
-    hint = (
-        "it needs Shardformer, which is wired with HybridParallelPlugin (issue 16); use "
-        "HybridParallelPlugin for tensor parallelism and Shardformer optimizations, or keep "
-        "GeminiPlugin with tp_size=1, extra_dp_size=1 and the enable_* flags off"
-    )
-    if tp_size > 1:
-        raise NotImplementedError(f"GeminiPlugin(tp_size={tp_size}) is not supported: {hint}")
-    if extra_dp_size > 1:
-        raise NotImplementedError(
-            f"GeminiPlugin(extra_dp_size={extra_dp_size}) is not supported: the extra "
-            f"data-parallel group exists only next to tensor parallelism; {hint}"
-        )
-    unknown = set(flags) - set(_SHARDFORMER_FLAGS)
-    if unknown:
-        raise TypeError(f"refuse_shardformer_options got unknown flags {sorted(unknown)}")
-    on = [name for name in _SHARDFORMER_FLAGS if flags.get(name)]
-    if on:
-        raise NotImplementedError(
-            f"GeminiPlugin({', '.join(f'{n}=True' for n in on)}) is not supported: {hint}"
-        )
+
+    tp_size: int = 1
+    extra_dp_size: int = 1
+    enable_all_optimization: bool = False
+    enable_fused_normalization: bool = False
+    enable_flash_attention: bool = False
+    enable_sequence_parallelism: bool = False
+    enable_jit_fused: bool = False
+    enable_sequence_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        _size("tp_size", self.tp_size)
+        _size("extra_dp_size", self.extra_dp_size)
+        for name in _SHARDFORMER_FLAGS:
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.extra_dp_size > 1:
+            raise NotImplementedError(
+                f"GeminiPlugin(extra_dp_size={self.extra_dp_size}) is not supported: Gemini "
+                "shards every chunk over the whole data-parallel group and cannot reduce "
+                "gradients across replicas of a smaller shard group; leave extra_dp_size=1 "
+                "(with tp_size > 1 the data-parallel size is world / tp_size)"
+            )
+        if self.enable_sequence_parallelism and self.tp_size == 1:
+            raise ValueError(
+                "GeminiPlugin(enable_sequence_parallelism=True) splits the sequence over the "
+                "tensor-parallel group ('split_gather'); it needs tp_size > 1, got tp_size=1"
+            )
+        if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
+            raise ValueError(
+                "GeminiPlugin(enable_sequence_overlap=True) needs "
+                "enable_sequence_parallelism=True"
+            )
+
+    @property
+    def uses_shardformer(self) -> bool:
+        """Whether the model goes through Shardformer (tensor parallelism or a flag)."""
+        return self.tp_size > 1 or any(getattr(self, n) for n in _SHARDFORMER_FLAGS)
+
+    def shard_config_kwargs(self) -> dict[str, Any]:
+        """The ``ShardConfig`` keyword arguments (the tensor-parallel group excepted)."""
+        kwargs: dict[str, Any] = {n: getattr(self, n) for n in _SHARDFORMER_FLAGS}
+        kwargs["enable_tensor_parallelism"] = self.tp_size > 1
+        if self.enable_sequence_parallelism:
+            kwargs["sequence_parallelism_mode"] = "split_gather"
+        return kwargs
 
 
 def normalize_chunk_config(config: Any, dp_size: int) -> dict[str, Any] | None:

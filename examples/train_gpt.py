@@ -1,9 +1,10 @@
-"""Train a character-level GPT-2 with the Colossal Booster (DDP, FSDP2, ZeRO-1/2 or Gemini).
+"""Train a character-level GPT-2 with the Colossal Booster (DDP, FSDP2, ZeRO, Gemini, hybrid).
 
 Run on 2 CPU processes (nanoGPT's shakespeare_char CPU settings)::
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --plugin zero2
     torchrun --nproc_per_node=2 examples/train_gpt.py --plugin gemini --precision bf16
+    colossal run --nproc_per_node 4 examples/train_gpt.py --plugin hybrid --tp 2 --pp 2
 
 ``--plugin``: ``ddp`` (torch DDP; ``--precision`` through the Booster's mixed precision),
 ``fsdp`` (FSDP2; fp32/bf16), ``zero1``/``zero2`` (colossal.zero) or ``gemini`` (chunk-based
@@ -12,6 +13,21 @@ ZeRO-3, ``GeminiPlugin`` with static placement: every chunk sharded, nothing off
 master weights; fp16 adds a dynamic loss scaler (initial scale 2**16). ZeRO and Gemini clip
 the gradients themselves (``max_norm=--grad-clip``); DDP and FSDP clip through the optimizer.
 The optimizer is built before boosting, as Gemini needs (it moves the parameters into chunks).
+
+``--plugin hybrid`` is ``HybridParallelPlugin``: ``--tp`` tensor-parallel and ``--pp``
+pipeline ranks, ``--sp-mode`` sequence parallelism (``split_gather``/``ring`` split the
+sequence over the tensor-parallel group; ``all_to_all``/``ring_attn`` over ``--sp`` ranks of
+their own), ``--zero-stage`` 0-2 over the data-parallel ranks that remain (dp = world / (tp x
+pp x sp)); every data-parallel replica takes ``--batch-size / dp`` sequences. The loss is
+transformers' own (``labels`` with ``shift_labels``: vocab-parallel under TP). With ``--pp``
+a step is ``booster.execute_pipeline`` over ``--num-microbatches`` (default: pp; more shrink
+the bubble on real devices, but each costs overhead on CPU) and only the last stage holds
+the loss. Validation is a forward-only pass through the stages (no backward, no gradients:
+the schedules have no forward-only mode, so this script sends each stage's output to the
+next itself). Logged losses are averaged over the ranks that hold one. Checkpoints are the
+one format of every plugin (save under hybrid, resume under any plugin and world size, and
+back); ``--async-save`` needs ``--tp 1 --pp 1`` (the plugin saves optimizer states
+synchronously under TP/PP).
 
 By default GPT-2's composed ``gelu_new`` runs as colossal-kernels' fused tanh-GELU (the same
 function; ``--no-fused-kernels`` keeps the model's modules). ``--metrics-json`` writes the
@@ -41,6 +57,7 @@ from torch.nn import functional as F  # noqa: N812
 from colossal.booster import Booster
 from colossal.booster.plugin import (
     GeminiPlugin,
+    HybridParallelPlugin,
     LowLevelZeroPlugin,
     TorchDDPPlugin,
     TorchFSDPPlugin,
@@ -53,11 +70,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 LOG_EVERY = 100  # iterations between the all-reduces of the logged training loss
+SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
+EVAL_TAG = 4242  # p2p tag of the forward-only validation (the schedules tag 2 x slice + 0/1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--plugin", choices=["ddp", "fsdp", "zero1", "zero2", "gemini"], default="ddp")
+    p.add_argument(
+        "--plugin", choices=["ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid"], default="ddp"
+    )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present)")
     p.add_argument("--iters", type=int, default=2000)
@@ -100,7 +121,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rank 0 writes the per-iteration times (ms) and the losses here",
     )
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    h = p.add_argument_group("--plugin hybrid")
+    h.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    h.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    h.add_argument("--sp", type=int, default=None,
+                   help="sequence-parallel size of its own (all_to_all, ring_attn)")
+    h.add_argument("--sp-mode", choices=SP_MODES, default=None,
+                   help="enable sequence parallelism in this mode")
+    h.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0)
+    h.add_argument("--num-microbatches", type=int, default=None,
+                   help="microbatches per step with --pp > 1 (default: pp)")
+    args = p.parse_args(argv)
+    check_hybrid_args(p, args)
+    return args
+
+
+def check_hybrid_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse hybrid options without ``--plugin hybrid`` and what the hybrid plugin cannot do."""
+    hybrid_opts = {"--tp": args.tp != 1, "--pp": args.pp != 1, "--sp": args.sp is not None,
+                   "--sp-mode": args.sp_mode is not None, "--zero-stage": args.zero_stage != 0,
+                   "--num-microbatches": args.num_microbatches is not None}
+    given = [name for name, set_ in hybrid_opts.items() if set_]
+    if args.plugin != "hybrid":
+        if given:
+            p.error(f"{', '.join(given)} need --plugin hybrid")
+        return
+    if args.sp is not None and args.sp_mode not in ("all_to_all", "ring_attn"):
+        p.error(f"--sp {args.sp} is the group of --sp-mode all_to_all or ring_attn "
+                f"(got --sp-mode {args.sp_mode}); split_gather and ring use the --tp group")
+    if args.tp * args.pp > 1 and args.async_save:
+        p.error(
+            f"--async-save with --plugin hybrid --tp {args.tp} --pp {args.pp}: "
+            "HybridParallelPlugin saves optimizer states asynchronously only with tp = pp = 1 "
+            "(its save_optimizer raises NotImplementedError otherwise); drop --async-save"
+        )
 
 
 def load_text(path: str | None) -> str:
@@ -160,11 +214,32 @@ def make_booster(args: argparse.Namespace) -> Booster:
                 precision=args.precision, max_norm=args.grad_clip, initial_scale=2**16
             )
         )
+    if args.plugin == "hybrid":
+        return Booster(plugin=make_hybrid_plugin(args))
     stage = int(args.plugin[-1])
     return Booster(
         plugin=LowLevelZeroPlugin(
             stage=stage, precision=args.precision, max_norm=args.grad_clip, initial_scale=2**16
         )
+    )
+
+
+def make_hybrid_plugin(args: argparse.Namespace) -> HybridParallelPlugin:
+    """``HybridParallelPlugin`` for ``--tp/--pp/--sp/--sp-mode/--zero-stage``."""
+    microbatches = None
+    if args.pp > 1:  # one microbatch per stage: on CPU a microbatch's overhead beats the bubble
+        microbatches = args.num_microbatches or args.pp
+    return HybridParallelPlugin(
+        tp_size=args.tp,
+        pp_size=args.pp,
+        sp_size=args.sp,
+        precision=args.precision,
+        zero_stage=args.zero_stage,
+        enable_sequence_parallelism=args.sp_mode is not None,
+        sequence_parallelism_mode=args.sp_mode,
+        num_microbatches=microbatches,
+        max_norm=args.grad_clip,
+        initial_scale=2**16,
     )
 
 
@@ -191,24 +266,81 @@ def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def mean_over_ranks(values: list[float]) -> list[float]:
-    """Each value averaged over the ranks, in one all-reduce for the whole list."""
-    t = torch.tensor(values, dtype=torch.float64)
+def hf_batch(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Keywords for transformers' own loss on targets ``y`` (already shifted: ``shift_labels``).
+
+    The hybrid plugin's model computes it vocab-parallel under TP (its logits are split).
+    """
+    return {"input_ids": x, "labels": y, "shift_labels": y}
+
+
+def hf_loss(outputs, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The pipeline's criterion: the last stage's transformers loss."""
+    return outputs.loss
+
+
+def mean_over_holders(values: list[float] | None, n: int = 1) -> list[float]:
+    """Each of ``n`` values averaged over the ranks that hold them, in one all-reduce.
+
+    ``values`` is None on ranks without them (pipeline stages before the last); with every
+    rank holding values this is the plain mean over the ranks.
+
+    Raises:
+        RuntimeError: No rank holds the values.
+    """
+    t = torch.zeros(n + 1, dtype=torch.float64)
+    if values is not None:
+        if len(values) != n:
+            raise ValueError(f"{len(values)} values, expected {n}")
+        t[:n] = torch.tensor(values, dtype=torch.float64)
+        t[n] = 1.0
     dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    if t[n] == 0:
+        raise RuntimeError("no rank holds a loss to average")
+    return (t[:n] / t[n]).tolist()
+
+
+def pipeline_losses(plugin: HybridParallelPlugin, model, batches) -> list[float] | None:
+    """Forward-only losses of ``batches`` through the pipeline (None before the last stage).
+
+    Each stage runs its part of the model on every batch under ``torch.no_grad`` and sends
+    its output (the hidden state with the labels) to the next stage, which computes while
+    the previous one goes on with the next batch.
+    """
+    from colossal.pipeline import PipelineP2P
+
+    sm = plugin.stage_manager
+    stage = model.unwrap()
+    p2p = PipelineP2P(plugin.pp_group)
+    losses = []
+    for x, y in batches:
+        if sm.is_first_stage():
+            out = stage(**hf_batch(x, y))
+        else:
+            out = stage(**p2p.recv(sm.get_prev_rank(), EVAL_TAG))
+        if sm.is_last_stage():
+            losses.append(out.loss.item())
+        else:
+            p2p.send(out, sm.get_next_rank(), EVAL_TAG)
+    p2p.wait_all()
+    return losses if sm.is_last_stage() else None
 
 
 @torch.no_grad()
-def evaluate(model, data, args, rank: int, world: int) -> float:
+def evaluate(model, data, args, dp_rank: int, dp: int, plugin=None) -> float:
+    """Mean validation loss over ``--eval-iters`` batches per data-parallel replica."""
     model.eval()
-    gen = torch.Generator().manual_seed(12345 + rank)
-    per_rank = max(1, args.batch_size // world)
-    losses = [
-        lm_loss(model, *get_batch(data, per_rank, args.block, gen)).item()
-        for _ in range(args.eval_iters)
-    ]
+    gen = torch.Generator().manual_seed(12345 + dp_rank)
+    per_rank = max(1, args.batch_size // dp)
+    batches = (get_batch(data, per_rank, args.block, gen) for _ in range(args.eval_iters))
+    if plugin is not None and plugin.pp_size > 1:
+        losses = pipeline_losses(plugin, model, batches)
+    elif plugin is not None:
+        losses = [model(**hf_batch(x, y)).loss.item() for x, y in batches]
+    else:
+        losses = [lm_loss(model, x, y).item() for x, y in batches]
     model.train()
-    return mean_over_ranks([sum(losses) / len(losses)])[0]
+    return mean_over_holders(None if losses is None else [sum(losses) / len(losses)])[0]
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -243,7 +375,7 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     launch_from_torch()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch_size % world:
+    if args.batch_size % world and args.plugin != "hybrid":
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
     from transformers import GPT2LMHeadModel
 
@@ -269,6 +401,24 @@ def main(argv: list[str] | None = None) -> float:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     booster = make_booster(args)
+    hybrid = booster.plugin if args.plugin == "hybrid" else None
+    dp_rank, dp = rank, world  # the data-parallel replica this rank belongs to, of dp
+    if hybrid is not None:
+        dp_rank, dp = hybrid.parallel_dims.coordinate("dp"), hybrid.dp_size
+        if args.batch_size % dp:
+            raise ValueError(f"--batch-size {args.batch_size} must be divisible by the {dp} "
+                             f"data-parallel replicas (world {world} / tp x pp x sp)")
+        micro = hybrid.config.num_microbatches
+        if hybrid.pp_size > 1 and micro and (args.batch_size // dp) % micro:
+            raise ValueError(f"--num-microbatches {micro} must divide each replica's batch of "
+                             f"{args.batch_size // dp} sequences (--batch-size / dp {dp})")
+        if rank == 0:
+            seq = f"{args.sp_mode} over {hybrid.sp_size} ranks" if args.sp_mode else "off"
+            print(f"hybrid layout: dp {dp} x pp {hybrid.pp_size} x sp "
+                  f"{hybrid.config.resolved_sp_size} x tp {hybrid.tp_size}, zero stage "
+                  f"{args.zero_stage}, sequence parallelism {seq}, microbatches "
+                  f"{hybrid.config.num_microbatches}", flush=True)
+    pipelined = hybrid is not None and hybrid.pp_size > 1
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
 
     ckpt = os.path.join(args.out, "checkpoint")
@@ -306,8 +456,8 @@ def main(argv: list[str] | None = None) -> float:
                 shutil.rmtree(os.path.join(ckpt, previous), ignore_errors=True)
         dist.barrier()
 
-    per_rank = args.batch_size // world
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    per_rank = args.batch_size // dp  # every rank of a data-parallel replica draws the same
+    gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)
     for _ in range(start):  # the same data order as an uninterrupted run
         get_batch(train_data, per_rank, args.block, gen)
     bar = None
@@ -324,15 +474,19 @@ def main(argv: list[str] | None = None) -> float:
     # Training losses are averaged over the ranks every LOG_EVERY iterations in one
     # all-reduce: a per-iteration one would wait, every step, for the parameter all-gather
     # that ZeRO lets overlap the next forward (gloo runs a group's collectives in order).
+    # Under a pipeline only the last stage's ranks hold losses; the mean is over them.
     unreduced: list[float] = []
+    pending = 0  # iterations since the last all-reduce (ranks without losses count too)
 
     def flush_losses() -> None:
-        if unreduced:
-            history["train"].extend(mean_over_ranks(unreduced))
+        nonlocal pending
+        if pending:
+            history["train"].extend(mean_over_holders(unreduced or None, pending))
             unreduced.clear()
+            pending = 0
     for it in range(start, args.iters):
         if it % args.eval_interval == 0 or it == args.iters - 1:
-            val = evaluate(model, val_data, args, rank, world)
+            val = evaluate(model, val_data, args, dp_rank, dp, hybrid)
             history["val_iter"].append(it)
             history["val"].append(val)
             if rank == 0:
@@ -340,15 +494,22 @@ def main(argv: list[str] | None = None) -> float:
                 print(msg, flush=True) if bar is None else bar.write(msg)
         started = time.perf_counter()
         x, y = get_batch(train_data, per_rank, args.block, gen)
-        loss = lm_loss(model, x, y)
-        booster.backward(loss, optimizer)
-        if args.grad_clip > 0 and args.plugin in ("ddp", "fsdp"):  # ZeRO/Gemini clip in step
+        if pipelined:  # the loss is on the last stage only (None elsewhere)
+            loss = booster.execute_pipeline(
+                iter([hf_batch(x, y)]), model, hf_loss, optimizer, return_loss=True
+            )["loss"]
+        else:
+            loss = model(**hf_batch(x, y)).loss if hybrid is not None else lm_loss(model, x, y)
+            booster.backward(loss, optimizer)
+        if args.grad_clip > 0 and args.plugin in ("ddp", "fsdp"):  # the others clip in step
             optimizer.clip_grad_by_norm(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-        local_loss = loss.item()
-        unreduced.append(local_loss)
+        local_loss = None if loss is None else loss.item()
+        if local_loss is not None:
+            unreduced.append(local_loss)
+        pending += 1
         iter_ms.append((time.perf_counter() - started) * 1e3)
         history["iter"].append(it)
         if it % LOG_EVERY == 0 or it == args.iters - 1:
@@ -357,7 +518,8 @@ def main(argv: list[str] | None = None) -> float:
                 print(f"iter {it}: loss {history['train'][-1]:.4f} "
                       f"({time.time() - t0:.0f}s)", flush=True)
         if bar is not None:  # this rank's loss; the history has the mean over ranks
-            bar.set_postfix(loss=f"{local_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            shown = local_loss if local_loss is not None else (history["train"] or [val])[-1]
+            bar.set_postfix(loss=f"{shown:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
             bar.update(1)
         if args.save_interval and (it + 1) % args.save_interval == 0:
             flush_losses()
@@ -373,17 +535,31 @@ def main(argv: list[str] | None = None) -> float:
     if rank == 0:
         print(
             f"final val loss {val:.4f} after {args.iters} iterations "
-            f"({time.time() - t0:.0f}s, plugin {args.plugin}, {world} ranks)",
+            f"({time.time() - t0:.0f}s, plugin {args.plugin}{layout_name(args)}, {world} ranks)",
             flush=True,
         )
         plot(history, os.path.join(args.out, "loss.png"))
         if args.metrics_json:
+            layout = {} if hybrid is None else {"layout": {
+                "dp": dp, "pp": hybrid.pp_size, "sp": hybrid.config.resolved_sp_size,
+                "tp": hybrid.tp_size, "sp_mode": args.sp_mode, "zero_stage": args.zero_stage,
+                "num_microbatches": hybrid.config.num_microbatches,
+            }}
             write_atomic(args.metrics_json, json.dumps(
                 {"iter_ms": iter_ms, "final_val": val, "plugin": args.plugin, "world": world,
-                 "fused_kernels": args.fused_kernels, **history}))
+                 "fused_kernels": args.fused_kernels, **layout, **history}))
     dist.barrier()
     destroy()  # groups stay alive to the process's end, so freeing the model cannot deadlock
     return val
+
+
+def layout_name(args: argparse.Namespace) -> str:
+    """`` tp2 pp2 split_gather`` (`` tp1 pp1 sp2 all_to_all``) for ``--plugin hybrid``."""
+    if args.plugin != "hybrid":
+        return ""
+    sp = f" sp{args.sp}" if args.sp else ""
+    mode = f" {args.sp_mode}" if args.sp_mode else ""
+    return f" tp{args.tp} pp{args.pp}{sp}{mode}"
 
 
 def plot(history: dict, path: str) -> None:

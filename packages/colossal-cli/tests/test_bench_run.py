@@ -56,5 +56,8 @@ def test_ddp_fsdp_zero2_measurements() -> None:
     assert zero2["comm_source"] == "colossal.core.comm"
     assert 2 * param_bytes <= zero2["comm_bytes_per_step"] <= 2 * param_bytes + 64
     assert zero2["memory_source"] == "memory_report"
-    assert zero2["peak_model_state_bytes"] < ddp["peak_model_state_bytes"] / 1.8
+    # ZeRO-2 at 2 ranks: the parameters, half the gradients (a slice kept across steps) and
+    # half of Adam's two states: 2.5 x the parameter bytes, DDP's 4 x over 1.6.
+    assert zero2["peak_model_state_bytes"] <= 2.5 * param_bytes + 1024
+    assert zero2["peak_model_state_bytes"] < ddp["peak_model_state_bytes"] / 1.55
     assert os.environ.get("COLOSSAL_ACCELERATOR") != "cpu"  # set only for the workers

@@ -14,8 +14,9 @@ from colossal.cli.bench.configs import (
     enumerate_configs,
     filter_configs,
     installed_plugins,
+    split_supported,
 )
-from colossal.cli.bench.gpt import MODEL_SIZES
+from colossal.cli.bench.gpt import MODEL_SIZES, gpt_config
 from colossal.cli.bench.report import build_table, json_document, write_chart, write_json
 from colossal.cli.bench.runner import BenchSettings, run_all, settings_dict
 
@@ -56,7 +57,10 @@ def resolve_devices(gpus: int | None, cpu: bool, nproc: int | None, cuda_count: 
     return gpus
 
 
-def _configs(devices: int, precisions: tuple[str, ...], pattern: str | None) -> list[BenchConfig]:
+def _configs(
+    devices: int, precisions: tuple[str, ...], pattern: str | None, model_size: str, seq_len: int
+) -> tuple[list[BenchConfig], list[tuple[BenchConfig, str]]]:
+    """The configurations to run, and those the model cannot take (with the reason)."""
     try:
         plugins = installed_plugins()
     except ModuleNotFoundError as exc:
@@ -64,9 +68,17 @@ def _configs(devices: int, precisions: tuple[str, ...], pattern: str | None) -> 
             raise  # something the meta-package needs is missing: show that, not our hint
         raise click.ClickException(NEEDS_META) from None
     try:
-        return filter_configs(enumerate_configs(devices, plugins, precisions), pattern)
+        configs = filter_configs(enumerate_configs(devices, plugins, precisions), pattern)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    kept, dropped = split_supported(configs, gpt_config(model_size, seq_len))
+    if not kept:
+        raise click.UsageError(
+            f"the {model_size} model can run none of the selected configurations ("
+            + "; ".join(f"{cfg.name}: {why}" for cfg, why in dropped)
+            + "); choose a larger --model-size"
+        )
+    return kept, dropped
 
 
 @click.command(help="Benchmark every configuration of the installed plugins on a GPT workload.")
@@ -109,13 +121,18 @@ def benchmark(
     import torch
 
     devices = resolve_devices(gpus, cpu, nproc, torch.cuda.device_count())
-    configs = _configs(devices, precisions, pattern)
+    configs, dropped = _configs(devices, precisions, pattern, model_size, seq_len)
     console = Console(highlight=False)
+    notes = Console(stderr=True, highlight=False)
+    for cfg, why in dropped:
+        notes.print(f"skipping {cfg.name} for the {model_size} model: {why}", markup=False)
     if list_only:
         for cfg in configs:
             console.print(f"{cfg.name}: {cfg.plugin}({cfg.plugin_kwargs})"
                           + (f", mixed_precision={cfg.mixed_precision}"
-                             if cfg.mixed_precision else ""), markup=False)  # fmt: skip
+                             if cfg.mixed_precision else "")
+                          + (f", model {cfg.workload}" if cfg.workload != "gpt" else ""),
+                          markup=False)  # fmt: skip
         return
     try:
         settings = BenchSettings(devices, cpu, steps, warmup, model_size, seq_len, batch_size,

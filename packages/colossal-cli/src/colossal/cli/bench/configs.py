@@ -1,4 +1,12 @@
-"""The benchmark's configurations: every valid setup of the installed plugins for N devices."""
+"""The benchmark's configurations: every valid setup of the installed plugins for N devices.
+
+Most rows train the self-contained GPT of :mod:`colossal.cli.bench.gpt`. Plugins that shard a
+Hugging Face model (``HybridParallelPlugin``: Shardformer's tensor/sequence/pipeline
+parallelism) train the same shape as ``transformers.GPT2LMHeadModel`` (workload
+``"hf-gpt2"``, see :mod:`colossal.cli.bench.workload`). A layout the model cannot take
+(tensor-parallel size not dividing the heads, more pipeline stages than layers) is left out
+when the model is known, with the reason (:func:`unsupported_reason`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from colossal.cli.bench.gpt import GPTConfig
+
 __all__ = [
     "PLUGIN_FAMILIES",
     "PRECISIONS",
@@ -15,9 +25,12 @@ __all__ = [
     "enumerate_configs",
     "filter_configs",
     "installed_plugins",
+    "split_supported",
+    "unsupported_reason",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+WORKLOADS = ("gpt", "hf-gpt2")
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class BenchConfig:
         mixed_precision: ``Booster(mixed_precision=...)`` for plugins that do not control
             precision; None otherwise.
         precision: The precision the row trains in (for display).
+        workload: ``"gpt"`` (the self-contained GPT) or ``"hf-gpt2"`` (the same shape as a
+            transformers ``GPT2LMHeadModel``, for plugins that shard Hugging Face models).
     """
 
     name: str
@@ -38,6 +53,13 @@ class BenchConfig:
     plugin_kwargs: dict[str, Any] = field(default_factory=dict)
     mixed_precision: str | None = None
     precision: str = "fp32"
+    workload: str = "gpt"
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(
+                f"BenchConfig {self.name!r}: workload={self.workload!r} must be one of {WORKLOADS}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (what the worker receives)."""
@@ -47,6 +69,7 @@ class BenchConfig:
             "plugin_kwargs": dict(self.plugin_kwargs),
             "mixed_precision": self.mixed_precision,
             "precision": self.precision,
+            "workload": self.workload,
         }
 
     @classmethod
@@ -105,7 +128,8 @@ def _hybrid(n: int, precision: str) -> list[BenchConfig]:
             if pp > 1:
                 kwargs["microbatch_size"] = 1
             name = _suffix(f"hybrid-tp{tp}-pp{pp}-dp{n // (tp * pp)}", precision)
-            out.append(BenchConfig(name, "HybridParallelPlugin", kwargs, None, precision))
+            out.append(BenchConfig(name, "HybridParallelPlugin", kwargs, None, precision,
+                                   workload="hf-gpt2"))  # fmt: skip
     return out
 
 
@@ -137,10 +161,40 @@ def installed_plugins() -> list[str]:
     return out
 
 
+def unsupported_reason(cfg: BenchConfig, model: GPTConfig) -> str | None:
+    """Why ``model`` cannot train under ``cfg`` (None: it can).
+
+    Tensor parallelism splits the attention heads, a pipeline the layers.
+    """
+    tp = int(cfg.plugin_kwargs.get("tp_size", 1))
+    pp = int(cfg.plugin_kwargs.get("pp_size", 1))
+    if model.n_head % tp:
+        return f"{model.n_head} attention heads do not split over tp_size={tp}"
+    if pp > model.n_layer:
+        return f"{model.n_layer} layers do not fill pp_size={pp} pipeline stages"
+    return None
+
+
+def split_supported(
+    configs: list[BenchConfig], model: GPTConfig
+) -> tuple[list[BenchConfig], list[tuple[BenchConfig, str]]]:
+    """``configs`` the model can train, and the others with the reason."""
+    kept, dropped = [], []
+    for cfg in configs:
+        reason = unsupported_reason(cfg, model)
+        if reason is None:
+            kept.append(cfg)
+        else:
+            dropped.append((cfg, reason))
+    return kept, dropped
+
+
 def enumerate_configs(
     devices: int, plugins: Iterable[str], precisions: Iterable[str] = ("fp32",)
 ) -> list[BenchConfig]:
     """Every configuration of ``plugins`` on ``devices`` ranks, in each precision.
+
+    Whether a model fits a layout is :func:`split_supported`'s question.
 
     Raises:
         ValueError: ``devices < 1``, an unknown plugin or an unknown precision.

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from colossal.cli.bench.configs import BenchConfig
-from colossal.cli.bench.gpt import GPT, gpt_config
+from colossal.cli.bench.gpt import gpt_config
 from colossal.cli.bench.measure import TorchCommCounter, model_state_bytes
+from colossal.cli.bench.workload import build_model, data_replica, make_step, mean_over_holders
 from colossal.core import CommTracker, get_accelerator, launch_from_torch
 
 __all__ = ["main", "run_config"]
@@ -63,20 +64,23 @@ def run_config(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     model_cfg = gpt_config(args.model_size, args.seq_len)
     torch.manual_seed(0)
-    model = GPT(model_cfg).to(device)
+    model = build_model(cfg, model_cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     booster = _build_booster(cfg)
     counter = TorchCommCounter()
     with counter.patched():
         model, optimizer, *_ = booster.boost(model, optimizer)
         ddp_hooked = counter.watch_ddp(model)
-        gen = torch.Generator().manual_seed(1234 + dist.get_rank())
-        shape = (args.batch_size, args.seq_len + 1)
+        train_step = make_step(cfg, booster, model, optimizer)
+        # The same global batch in every row: each data-parallel replica draws its share.
+        replica, replicas = data_replica(booster.plugin)
+        gen = torch.Generator().manual_seed(1234 + replica)
+        shape = (args.batch_size * world // replicas, args.seq_len + 1)
         times: list[float] = []
         peak_state = 0
         source = "tensors"
         tracker = CommTracker()
-        loss_value = float("nan")
+        loss_value: float | None = None
         for step in range(args.warmup + args.steps):
             measured = step >= args.warmup
             tokens = torch.randint(0, model_cfg.vocab_size, shape, generator=gen).to(device)
@@ -84,8 +88,7 @@ def run_config(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             accel.synchronize()
             start = time.perf_counter()
             with tracker if measured else contextlib.nullcontext():
-                loss = model(tokens[:, :-1], tokens[:, 1:])
-                booster.backward(loss, optimizer)
+                loss = train_step(tokens)  # None off a pipeline's last stage
                 optimizer.step()
             accel.synchronize()
             elapsed = time.perf_counter() - start
@@ -95,7 +98,8 @@ def run_config(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
                 state, source = model_state_bytes(model, optimizer)
                 peak_state = max(peak_state, state)
             optimizer.zero_grad()
-            loss_value = float(loss.detach().float().item())
+            loss_value = None if loss is None else float(loss.detach().float().item())
+    loss_value = mean_over_holders(loss_value, _comm_device())
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"the loss is {loss_value} after {args.steps} steps")
     step_time = _max_over_ranks(statistics.median(times))

@@ -15,7 +15,10 @@ from colossal.cli.bench.report import COLUMNS
 from colossal.core.testing import run_isolated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("ddp", "fsdp", "zero1", "zero2", "gemini-static", "gemini-auto")
+CONFIGS = (
+    "ddp", "fsdp", "zero1", "zero2", "gemini-static", "gemini-auto",
+    "hybrid-tp1-pp2-dp1", "hybrid-tp2-pp1-dp1",
+)
 #: The table's header, spelled out so that a renamed column fails here.
 HEADER = ["configuration", "step time", "tokens/s", "model state / rank", "comm / step", "status"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -42,14 +42,13 @@ from colossal.booster.plugin.gemini_config import (
     ShardformerOptions,
     normalize_chunk_config,
 )
-from colossal.booster.plugin.hybrid_model import repoint_by_alias
+from colossal.booster.plugin.hybrid_model import replicated_over_tp, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
     OptimizerWrapper,
     ParallelDims,
     ScalerConfig,
     get_accelerator,
-    shard_spec,
 )
 from colossal.gemini import GeminiDDP, GeminiOptimizer, MemStats
 
@@ -359,29 +358,20 @@ class GeminiPlugin(DPPluginBase):
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None) -> nn.Module:
         """Shardformer over the tensor-parallel group; the optimizer follows by name."""
-        from colossal.shardformer import ShardConfig, ShardFormer
+        from colossal.shardformer import ShardConfig
         from colossal.shardformer.sequence.grad_sync import register_partial_grad_hooks
 
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        group_names = [] if optimizer is None else \
-            [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         shard_config = ShardConfig(tensor_parallel_process_group=self.tp_group,
                                    **self.shard_options.shard_config_kwargs())
-        module, _ = ShardFormer(shard_config).optimize(model)
+        module, _, _ = shard_and_repoint(model, optimizer, shard_config)
         # split_gather's norms see this rank's tokens: their gradients are summed over tp as
         # autograd produces them (Gemini averages over dp only, so nothing is scaled).
         register_partial_grad_hooks(module)
-        if optimizer is not None:
-            repoint_by_alias(optimizer, module, group_names)
         return module
 
     def _counted_elsewhere(self, module: nn.Module) -> list[torch.Tensor]:
         """Parameters replicated over tp on tp ranks other than 0 (rank 0 counts them)."""
-        if self.parallel_dims.coordinate("tp") == 0:
-            return []
-        return [p for p in module.parameters() if p.requires_grad and shard_spec(p) is None]
+        return replicated_over_tp(module, self.parallel_dims.coordinate("tp"))
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """:class:`GeminiCheckpointIO` (chunk by chunk, the one checkpoint format)."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.core import ModelWrapper
+from colossal.core import ModelWrapper, shard_spec
 
 __all__ = [
     "HybridParallelModel",
@@ -24,7 +24,9 @@ __all__ = [
     "first_names",
     "held_parameters",
     "named_held",
+    "replicated_over_tp",
     "repoint_by_alias",
+    "shard_and_repoint",
 ]
 
 
@@ -80,6 +82,39 @@ def repoint_by_alias(
             if found is not None:
                 params[id(found)] = found
         group["params"] = list(params.values())
+
+
+def shard_and_repoint(
+    model: nn.Module, optimizer: Optimizer | None, shard_config: Any, policy: Any = None
+) -> tuple[nn.Module, list[Any], list[list[str]]]:
+    """Shard ``model`` with Shardformer and point ``optimizer`` at the sharded parameters.
+
+    Returns:
+        ``(module, shared, aliases)``: this rank's sharded model (or its chunks), the
+        parameters tied across pipeline stages, and every name of each parameter of the
+        unsharded model (tied weights have several; the first is the one checkpoints use).
+    """
+    from colossal.shardformer import ShardFormer
+
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    group_names = [] if optimizer is None else \
+        [[by_param[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    module, shared = ShardFormer(shard_config).optimize(model, policy=policy)
+    if optimizer is not None:
+        repoint_by_alias(optimizer, module, group_names)
+    return module, shared, list(by_param.values())
+
+
+def replicated_over_tp(module: nn.Module, tp_rank: int) -> list[nn.Parameter]:
+    """Trainable parameters every tensor-parallel rank holds whole, on tp ranks other than 0.
+
+    Their gradients are equal over the group: a global gradient norm counts them on rank 0.
+    """
+    if tp_rank == 0:
+        return []
+    return [p for p in held_parameters(module) if p.requires_grad and shard_spec(p) is None]
 
 
 def first_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:

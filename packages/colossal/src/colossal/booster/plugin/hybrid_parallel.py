@@ -43,8 +43,8 @@ from colossal.booster.plugin.hybrid_model import (
     HybridParallelModel,
     cast_floats,
     first_names,
-    held_parameters,
-    repoint_by_alias,
+    replicated_over_tp,
+    shard_and_repoint,
 )
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
@@ -53,7 +53,6 @@ from colossal.core import (
     ScalerConfig,
     get_accelerator,
     parse_precision,
-    sharded_view,
 )
 from colossal.core.comm import group_ranks
 from colossal.zero import LowLevelZeroOptimizer
@@ -333,17 +332,10 @@ class HybridParallelPlugin(DPPluginBase):
         lr_scheduler: Any = None,
     ) -> tuple[Any, Any, Any, Any, Any]:
         """Shard the model, build the schedule, wrap the optimizer in ``LowLevelZeroOptimizer``."""
-        from colossal.shardformer import ShardConfig, ShardFormer
+        from colossal.shardformer import ShardConfig
 
         materialize_model(model, optimizer)
         dtype = self.precision_dtype
-        aliases = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self._checkpoint_io.set_aliases(list(aliases.values()))
-        group_names = None
-        if optimizer is not None:
-            group_names = [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
         cfg = self.config
         shard_config = ShardConfig(
@@ -355,13 +347,13 @@ class HybridParallelPlugin(DPPluginBase):
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
             **self.shard_options,
         )
-        module, shared = ShardFormer(shard_config).optimize(model, policy=self.custom_policy)
+        module, shared, aliases = shard_and_repoint(model, optimizer, shard_config,
+                                                    self.custom_policy)
+        self._checkpoint_io.set_aliases(aliases)
         if self.stage_manager is not None:
             self.schedule = self._schedule(shared)
         self._sum_partial_grads(module)
         if optimizer is not None:
-            assert group_names is not None
-            repoint_by_alias(optimizer, module, group_names)
             names = first_names(optimizer, module)
             optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
             optimizer.set_param_names(names)
@@ -390,11 +382,8 @@ class HybridParallelPlugin(DPPluginBase):
         self, module: nn.Module, shared: Any, optimizer: LowLevelZeroOptimizer
     ) -> list[torch.Tensor]:
         """Parameters whose gradient another rank of tp x pp counts in the global norm."""
-        skip: dict[int, torch.Tensor] = {}
-        if self.tp_size > 1 and dist.get_rank(self.tp_group) != 0:
-            for p in held_parameters(module):
-                if p.requires_grad and sharded_view(p) is None:
-                    skip[id(p)] = p  # replicated over tp: counted on tp rank 0
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
+        skip = {id(p): p for p in replicated_over_tp(module, tp_rank)}
         if self.stage_manager is not None:
             stage = self.stage_manager.stage
             for mapping in shared:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from shardformer import build_model  # the same Llama builder
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
@@ -42,26 +43,6 @@ QUICK = {
     "seq": 64,
 }
 LR = 1e-4
-
-
-def build_model(size: dict[str, int]) -> nn.Module:
-    """The Llama model every configuration starts from (seed 0, fp32, untied, SDPA)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=size["hidden"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        intermediate_size=size["intermediate"],
-        vocab_size=size["vocab"],
-        max_position_embeddings=max(512, size["seq"]),
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float()
 
 
 def num_params(size: dict[str, int]) -> int:

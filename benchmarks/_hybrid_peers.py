@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardformer import build_model  # the same Llama builder
+from shardformer import build_model, tp_plan  # the same Llama model and plan
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
@@ -87,42 +87,6 @@ def model_state_bytes(params: list[torch.Tensor], optim: torch.optim.Optimizer) 
 
 # --------------------------------------------------------------------------------------------
 # TP2 x DP2
-
-
-def tp_plan(model: nn.Module) -> dict[str, Any]:
-    """The DTensor plan (torchtitan's Llama recipe, the layout of colossal's policy).
-
-    q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel`` (from the model's
-    ``base_model_tp_plan``); one replicated DTensor input per attention and MLP block
-    (``PrepareModuleInput``: one backward all-reduce per block, not one per projection);
-    vocab-parallel embedding (``RowwiseParallel(input_layouts=Replicate())``) and LM head
-    (``ColwiseParallel(output_layouts=Shard(-1))``) with the loss under ``loss_parallel()``.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-    )
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    prefix = model.base_model_prefix + "."
-    plan: dict[str, Any] = {}
-    for pattern, style in model.config.base_model_tp_plan.items():
-        if style not in styles:
-            raise ValueError(f"benchmark peer: tp style {style!r} of {pattern!r} not mapped")
-        plan[prefix + pattern] = styles[style]()
-    plan[prefix + "layers.*.self_attn"] = PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Replicate()},
-        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        use_local_output=False,
-    )
-    plan[prefix + "layers.*.mlp"] = PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-    )
-    plan[prefix + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
-    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return plan
 
 
 def torch_tp_dp(model: nn.Module, dp_kind: str) -> tuple[nn.Module, Any]:

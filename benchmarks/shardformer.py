@@ -192,18 +192,22 @@ def megatron_comm_bytes(size: dict[str, int]) -> tuple[int, int]:
 # the configurations
 
 
-def torch_tp(model: nn.Module, world_size: int) -> nn.Module:
-    """``parallelize_module`` with a plan built from ``config.base_model_tp_plan`` (docstring)."""
-    from torch.distributed.device_mesh import DeviceMesh
+def tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The DTensor plan (torchtitan's Llama recipe, the layout of colossal's policy).
+
+    q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel`` (from the model's
+    ``base_model_tp_plan``); one replicated DTensor input per attention and MLP block
+    (``PrepareModuleInput``: one backward all-reduce per block, not one per projection);
+    vocab-parallel embedding (``RowwiseParallel(input_layouts=Replicate())``) and LM head
+    (``ColwiseParallel(output_layouts=Shard(-1))``) with the loss under ``loss_parallel()``.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
-        parallelize_module,
     )
 
-    mesh = DeviceMesh("cpu", list(range(world_size)))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     prefix = model.base_model_prefix + "."
     plan: dict[str, Any] = {}
@@ -211,7 +215,6 @@ def torch_tp(model: nn.Module, world_size: int) -> nn.Module:
         if style not in styles:
             raise ValueError(f"benchmark peer: tp style {style!r} of {pattern!r} not mapped")
         plan[prefix + pattern] = styles[style]()
-    # one replicated DTensor input per block: a single backward all-reduce for q/k/v, gate/up
     plan[prefix + "layers.*.self_attn"] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Replicate()},
         desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -222,7 +225,16 @@ def torch_tp(model: nn.Module, world_size: int) -> nn.Module:
     )
     plan[prefix + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
     plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return parallelize_module(model, mesh, plan)
+    return plan
+
+
+def torch_tp(model: nn.Module, world_size: int) -> nn.Module:
+    """``parallelize_module`` with :func:`tp_plan` over all ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    return parallelize_module(model, mesh, tp_plan(model))
 
 
 def colossal_tp(model: nn.Module) -> nn.Module:

@@ -39,6 +39,12 @@ from torch.optim import Optimizer
 from colossal.booster.plugin.base import DPPluginBase, materialize_model
 from colossal.booster.plugin.hybrid_checkpoint_io import HybridCheckpointIO
 from colossal.booster.plugin.hybrid_config import HybridConfig
+from colossal.booster.plugin.hybrid_lora import (
+    HybridLoraSource,
+    peft_parts,
+    prefixed_aliases,
+    release_unheld,
+)
 from colossal.booster.plugin.hybrid_model import (
     HybridParallelModel,
     cast_floats,
@@ -320,8 +326,28 @@ class HybridParallelPlugin(DPPluginBase):
         return self.pp_size > 1
 
     def support_lora(self) -> bool:
-        """Not yet: LoRA with tensor parallelism needs sharded adapters."""
-        return False
+        """Without tensor parallelism; frozen base weights get no optimizer state.
+
+        Any pipeline, sequence and ZeRO layout with ``tp_size == 1`` (see :mod:`.hybrid_lora`).
+        """
+        return self.tp_size == 1
+
+    def enable_lora(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        """Add peft LoRA adapters (see ``Booster.enable_lora``); needs ``tp_size == 1``.
+
+        Raises:
+            NotImplementedError: ``tp_size > 1``.
+        """
+        self._check_lora()
+        return super().enable_lora(model, *args, **kwargs)
+
+    def _check_lora(self) -> None:
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"HybridParallelPlugin(tp_size={self.tp_size}) does not support LoRA yet: the "
+                "adapters are not split with their tensor-parallel base layers. Use tp_size=1 "
+                "(pipeline, sequence and data parallelism with ZeRO work with LoRA)"
+            )
 
     def configure(
         self,
@@ -347,9 +373,12 @@ class HybridParallelPlugin(DPPluginBase):
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
             **self.shard_options,
         )
-        module, shared, aliases = shard_and_repoint(model, optimizer, shard_config,
+        inner, peft_model, prefix = peft_parts(model)
+        if peft_model is not None:
+            self._check_lora()
+        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config,
                                                     self.custom_policy)
-        self._checkpoint_io.set_aliases(aliases)
+        self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
         if self.stage_manager is not None:
             self.schedule = self._schedule(shared)
         self._sum_partial_grads(module)
@@ -360,12 +389,21 @@ class HybridParallelPlugin(DPPluginBase):
             optimizer.exclude_from_norm(self._counted_elsewhere(module, shared, optimizer))
             self._checkpoint_io.optimizers.append(optimizer)
         wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
+        if peft_model is not None:
+            wrapped.lora_source = self._lora_source(peft_model, module, prefix)
         return wrapped, optimizer, criterion, dataloader, lr_scheduler
 
     @property
     def precision_dtype(self) -> torch.dtype:
         """The dtype parameters are cast to."""
         return parse_precision(self.config.precision).dtype
+
+    def _lora_source(self, peft_model: nn.Module, module: nn.Module, prefix: str) -> Any:
+        """The adapter saver of a boosted ``PeftModel`` (other stages' weights released)."""
+        chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
+        release_unheld(peft_model, chunks)
+        return HybridLoraSource(peft_model, chunks, prefix,
+                                self.pp_group if self.pp_size > 1 else None)
 
     def _sum_partial_grads(self, module: nn.Module) -> None:
         """Hooks making sequence-partial gradients whole before ZeRO averages them.

@@ -6,8 +6,8 @@ from ``model.parameters()``: optimizers skip parameters that never get a gradien
 ``LowLevelZeroOptimizer`` neither shards nor keeps master weights for frozen ones.
 :func:`save_lora_as_pretrained` writes the adapter as ``peft`` does (``adapter_config.json``
 plus ``adapter_model.safetensors`` or ``adapter_model.bin``) from full tensors (FSDP2's
-DTensor shards are gathered first), so ``peft.PeftModel.from_pretrained(base, directory)``
-loads it.
+DTensor shards are gathered first, the hybrid plugin's pipeline stages exchanged), so
+``peft.PeftModel.from_pretrained(base, directory)`` loads it.
 
 ``peft`` is imported only when these functions run (``pip install "colossal[lora]"``).
 """
@@ -162,14 +162,17 @@ def save_lora_as_pretrained(
         ValueError: The model has no LoRA adapter.
     """
     peft = _peft()
-    peft_model = find_module(model, peft.PeftModel)
+    source = getattr(model, "lora_source", None)  # a hybrid-parallel model: see hybrid_lora
+    peft_model = find_module(model, peft.PeftModel) if source is None else source.peft_model
     if peft_model is None:
         raise ValueError(
             f"save_lora_as_pretrained: {type(model).__name__} has no LoRA adapter; call "
             "booster.enable_lora(model, lora_config=...) before boost"
         )
     io = _gemini_io(model, group)
-    if io is None:
+    if source is not None:
+        state = source.adapter_state()
+    elif io is None:
         state = _adapter_state(peft_model)
     else:
         state = _adapter_state(peft_model, io.model_state(model), lambda v: _full(io.to_full(v)))

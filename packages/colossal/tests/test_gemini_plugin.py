@@ -235,8 +235,7 @@ def _plugin(**kwargs: object) -> object:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"extra_dp_size": 2}, NotImplementedError,
-         r"extra_dp_size=2.*cannot reduce gradients across replicas"),
+        ({"extra_dp_size": 0}, ValueError, r"extra_dp_size=0 must be an int >= 1"),
         ({"enable_sequence_parallelism": True}, ValueError, r"needs tp_size > 1, got tp_size=1"),
         ({"tp_size": 0}, ValueError, r"tp_size=0 must be an int >= 1"),
         ({"placement_policy": "cuda"}, ValueError, r"placement_policy='cuda'.*'static'.*'auto'"),

@@ -214,6 +214,44 @@ def test_tp2_dp2_matches_one_process_and_saves_the_one_format(rank: int,
     _train("gpt2", "sgd", max_norm=CLIP, precision="fp32")
 
 
+@distributed_test(4)
+def test_tp2_extra_dp2_matches_one_process_and_saves_once(rank: int, world_size: int) -> None:
+    """World 4 as tp 2 x extra_dp 2 x zero 1: each rank holds whole chunks (zero group of
+    one), replicated over extra dp; clipped training equals one process (the norm counts
+    each shard once: over zero and tp, not the replicas), and the checkpoint (written by
+    extra-dp rank 0's tp group) loads with ``from_pretrained`` and into plain Gemini."""
+    torch.set_num_threads(1)
+    booster, model, optimizer = _train("gpt2", "sgd", max_norm=CLIP, extra_dp_size=2)
+    plugin = booster.plugin
+    assert (plugin.zero_size, plugin.extra_dp_size, plugin.dp_size) == (1, 2, 2)
+    assert all(c.world_size == 1 for c in model.chunk_manager.chunks)
+    path = _shared_dir()
+    try:
+        booster.save_model(model, path, shard=True, size_per_shard=1)
+        booster.save_optimizer(optimizer, path, shard=True, size_per_shard=1)
+        trained = _full(model)
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(path)
+            for name, p in loaded.named_parameters(remove_duplicate=False):
+                assert torch.equal(p.detach(), trained[name]), f"from_pretrained: {name}"
+        plain_booster, plain, plain_opt = _boost("gpt2", "sgd", tp_size=1, precision="fp32",
+                                                 max_norm=CLIP)
+        plain_booster.load_model(plain, path)
+        plain_booster.load_optimizer(plain_opt, path)
+        for args in ((booster, model, optimizer), (plain_booster, plain, plain_opt)):
+            _step(*args, STEPS, "gpt2")
+        after, other = _full(model), _full(plain)
+        for name, value in after.items():
+            err = relative_error(other[name], value)
+            assert err <= TOL, f"resumed under plain Gemini: {name} {err:.2e}"
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @distributed_test(2)
 def test_tp2_alone_sequence_parallel_bf16_and_flags_without_tp(rank: int,
                                                               world_size: int) -> None:
@@ -240,8 +278,6 @@ def test_tp2_alone_sequence_parallel_bf16_and_flags_without_tp(rank: int,
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"extra_dp_size": 2}, NotImplementedError,
-         r"extra_dp_size=2.*cannot reduce gradients across replicas"),
         ({"tp_size": 0}, ValueError, r"tp_size=0 must be an int >= 1"),
         ({"extra_dp_size": 1.5}, ValueError, r"extra_dp_size=1.5 must be an int >= 1"),
         ({"enable_sequence_parallelism": True}, ValueError,

@@ -9,6 +9,11 @@ weight: the same ``Parameter`` object under another name) keeps its first chunk.
 
 Every rank must register the same parameters in the same order: the chunks, their order and
 hence the order of their collectives are then identical everywhere.
+
+With an ``extra_dp_group`` (ColossalAI's extra data parallelism) the chunks are sharded over
+``group`` and the ranks of ``extra_dp_group`` hold replicas of the same shards: after the
+gradients are reduce-scattered over ``group``, :meth:`ChunkManager.reduce_replica_grads`
+all-reduces (averages) every gradient shard over ``extra_dp_group``.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from colossal.core.comm import all_reduce
 from colossal.gemini.chunk.base import _group_geometry, _round_up
 from colossal.gemini.chunk.chunk import Chunk
-from colossal.gemini.chunk.storage import BudgetLike, Location
+from colossal.gemini.chunk.storage import BudgetLike, Location, physical_device
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,8 @@ class ChunkManager:
         accumulate_grads: Passed to every trainable chunk (see :class:`Chunk`).
         grad_dtype: dtype of trainable chunks' reduced gradient shards (``None``: the chunk
             dtype; see :class:`Chunk`).
+        extra_dp_group: Ranks holding replicas of this rank's shards (``None``: none); the
+            gradient shards are averaged over it by :meth:`reduce_replica_grads`.
 
     Raises:
         ValueError: ``chunk_size`` is not a positive int or ``max_prefetch`` is negative.
@@ -75,6 +84,7 @@ class ChunkManager:
         max_prefetch: int = 0,
         accumulate_grads: bool = False,
         grad_dtype: torch.dtype | None = None,
+        extra_dp_group: ProcessGroup | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
@@ -88,6 +98,10 @@ class ChunkManager:
         self.max_prefetch = max_prefetch
         self.accumulate_grads = accumulate_grads
         self.grad_dtype = grad_dtype
+        self.extra_dp_group = extra_dp_group
+        self.extra_dp_size = dist.get_world_size(extra_dp_group) \
+            if extra_dp_group is not None and dist.is_initialized() else 1
+        self._replicas_pending = False  # gradient shards not yet averaged over extra_dp_group
         self._plan: list[Any] | None = None  # placements for the chunks still to be built
         self.chunks: list[Chunk] = []
         self._open: dict[_Kind, Chunk] = {}
@@ -249,6 +263,37 @@ class ChunkManager:
         for chunk in self._open.values():
             chunk.close()
         self._open.clear()
+
+    # ----------------------------------------------------------------- replicas
+    def mark_replica_grads_pending(self) -> None:
+        """Note that a backward reduced new gradients over ``group`` (not yet over replicas)."""
+        self._replicas_pending = self.extra_dp_size > 1
+
+    def reduce_replica_grads(self) -> None:
+        """Average every gradient shard over ``extra_dp_group`` (once per pending backward).
+
+        Collective over ``extra_dp_group`` (every rank of it joins, chunk by chunk in the same
+        order); a no-op without replicas or when nothing is pending. The shards of replicas
+        are then identical, so norms and overflow checks count each one over ``group`` only.
+        Under gradient accumulation it runs once, on the accumulated shards, before they are
+        read (the sum is linear).
+        """
+        if not self._replicas_pending:
+            return
+        self._replicas_pending = False
+        device = physical_device("device")
+        for chunk in self.chunks:
+            if not chunk.requires_grad:
+                continue
+            chunk.finish_reduce()
+            shard = chunk.grad_shard
+            if shard is None:  # no gradient reduced into it: alike on every replica
+                continue
+            buf = shard if shard.device == device else shard.to(device)
+            all_reduce(buf, group=self.extra_dp_group)
+            buf.div_(self.extra_dp_size)
+            if buf is not shard:
+                shard.copy_(buf)
 
     # ----------------------------------------------------------------- lookup
     def chunk_of(self, param: nn.Parameter) -> Chunk:

@@ -74,6 +74,12 @@ class GeminiDDP(ModelWrapper):
             without torch.distributed). Next to tensor parallelism the job has several
             data-parallel groups: each rank passes its own (only its ranks take part in
             building the model).
+        extra_dp_group: Ranks holding replicas of this rank's chunk shards (ColossalAI's
+            extra data parallelism: the data-parallel ranks are ``process_group`` x
+            ``extra_dp_group``); after the reduce-scatter over ``process_group`` each
+            gradient shard is averaged over it at the end of backward (with
+            ``enable_gradient_accumulation``: once, when ``GeminiOptimizer`` reads the
+            shards; see ``ChunkManager.reduce_replica_grads``). ``None``: no replicas.
         precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the dtype of the chunks (compute).
         chunk_config_dict: ``{"chunk_size": elements, "keep_gathered": bool}``; ``None``
             searches the size (:func:`~colossal.gemini.search_chunk_configuration`).
@@ -115,6 +121,7 @@ class GeminiDDP(ModelWrapper):
         module: nn.Module,
         *,
         process_group: ProcessGroup | None = None,
+        extra_dp_group: ProcessGroup | None = None,
         precision: str = "fp16",
         chunk_config_dict: dict[str, Any] | None = None,
         search_range_m: float = 32,
@@ -150,6 +157,7 @@ class GeminiDDP(ModelWrapper):
         self.enable_gradient_accumulation = enable_gradient_accumulation
         self.strict_ddp_mode = strict_ddp_mode
         self.process_group = process_group
+        self.extra_dp_group = extra_dp_group
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.budget = DeviceMemoryBudget(device_memory_limit)
 
@@ -174,6 +182,7 @@ class GeminiDDP(ModelWrapper):
             pin_memory=pin_memory,
             max_prefetch=max_prefetch,
             grad_dtype=torch.float32 if fp32_grads else None,
+            extra_dp_group=keep_alive(extra_dp_group),
         )
         # Plan before building: every chunk is built on its planned locations and every byte
         # is charged to the budget as it is allocated (a limit that the model cannot fit

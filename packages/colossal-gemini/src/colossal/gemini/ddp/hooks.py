@@ -365,5 +365,11 @@ class ChunkRuntime:
                 return
             self.walk = self._new_walk(prefetch=False)
         self.walk.finish()
+        # Replicas (extra data parallelism) average the shards only after the walk: no rank
+        # then waits on a replica while its shard group still needs it. Accumulated
+        # gradients are averaged once, when the optimizer reads them.
+        self.manager.mark_replica_grads_pending()
+        if not self.accumulate:
+            self.manager.reduce_replica_grads()
         self.previous = self.record.chunks()
         self.record = ForwardRecord()

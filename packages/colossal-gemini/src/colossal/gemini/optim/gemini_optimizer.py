@@ -80,6 +80,10 @@ class GeminiOptimizer(OptimizerWrapper):
     :meth:`exclude_from_norm` with the parameters another tensor-parallel rank counts (those
     replicated over the group, on every rank but one), so each gradient counts once.
 
+    With extra data parallelism (``GeminiDDP(extra_dp_group=...)``) the gradient shards are
+    averaged over the replicas before they are read; replicas then hold the same shards, so
+    the verdict and the norm are reduced over the chunks' group only (each shard once).
+
     Args:
         optim: The optimizer over the original model's parameters; its state must be empty.
         module: The ``GeminiDDP`` model (anything with a ``chunk_manager``, a ``backward``
@@ -235,8 +239,15 @@ class GeminiOptimizer(OptimizerWrapper):
         self._norm_excluded = {id(p) for p in params}
         self._stats = None
 
+    def _reduce_replicas(self) -> None:
+        """Average pending gradient shards over the chunks' replicas (extra data parallelism)."""
+        reduce = getattr(self.chunk_manager, "reduce_replica_grads", None)
+        if reduce is not None:
+            reduce()
+
     def _grad_stats(self) -> GradStats:
         if self._stats is None:
+            self._reduce_replicas()
             counted, uncounted = norm_pieces(self._chunks, self._norm_excluded)
             extra = () if self.tp_group is None else (self.tp_group,)
             self._stats = reduce_grad_stats(counted, self.norm_type, self.group, self._device,
@@ -300,6 +311,7 @@ class GeminiOptimizer(OptimizerWrapper):
         """
         if closure is not None:
             raise ValueError("GeminiOptimizer.step does not take a closure")
+        self._reduce_replicas()
         max_norm = self._pending_clip or self.max_norm
         if self.scaler is None and max_norm <= 0:
             self._last_norm = None

@@ -16,6 +16,14 @@ averaged over dp by Gemini; under sequence parallelism the norms' partial gradie
 summed over tp as autograd produces them. The gradient norm and the fp16 overflow verdict
 are reduced over dp and then tp; a parameter replicated over tp is counted on tp rank 0
 only, a split one on every tp rank (its parts).
+
+With ``extra_dp_size > 1`` (ColossalAI's extra data parallelism) the data-parallel ranks
+are ``extra_dp x zero`` (``ParallelDims(dp_shard=zero)``: replicas outside, the shard group
+inside, tp innermost): Gemini shards each chunk over the zero group of ``world / (tp_size *
+extra_dp_size)`` ranks, reduce-scatters the gradients over it and then averages each
+gradient shard over the extra-dp group, whose ranks hold replicas of the same shards. The
+norm and the overflow verdict count each shard once (over zero, then tp). A checkpoint is
+written by the replica of extra-dp coordinate 0 and read by every replica.
 """
 
 from __future__ import annotations
@@ -110,8 +118,9 @@ class GeminiPlugin(DPPluginBase):
         norm_type: The norm of the clipping.
         tp_size: Tensor-parallel size (Shardformer; the model must be a Hugging Face model
             it has a policy for); the data-parallel size is ``world / tp_size``.
-        extra_dp_size: Must be 1: Gemini shards each chunk over the whole data-parallel
-            group and cannot reduce gradients across replicas of a smaller one.
+        extra_dp_size: Replicas of the Gemini shard group: each chunk is sharded over
+            ``world / (tp_size * extra_dp_size)`` ranks (the zero group) and its gradient
+            shard averaged over the ``extra_dp_size`` replicas (1: shard over all of dp).
         enable_all_optimization: Fused normalization and flash attention (Shardformer).
         enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm (Shardformer).
         enable_flash_attention: colossal-kernels' attention dispatch (Shardformer).
@@ -125,12 +134,12 @@ class GeminiPlugin(DPPluginBase):
             makes placement and eviction account "device" memory against this limit.
         max_prefetch: Chunks gathered ahead of their use (asynchronously).
         dp_group: The data-parallel group (the whole job when None; not with
-            ``tp_size > 1``, whose groups come from the job's layout).
+            ``tp_size > 1`` or ``extra_dp_size > 1``, whose groups come from the job's
+            layout).
 
     Raises:
         ValueError: A value out of range or a layout that cannot work (the message names
-            it and the fix).
-        NotImplementedError: ``extra_dp_size > 1``.
+            it and the fix), e.g. ``tp_size * extra_dp_size`` not dividing the world size.
 
     Example:
         >>> plugin = GeminiPlugin(precision="bf16", max_norm=1.0)
@@ -228,22 +237,28 @@ class GeminiPlugin(DPPluginBase):
                 max_scale=max_scale,
             ),
         )
-        if tp_size > 1:
-            super().__init__(parallel_dims=_tensor_parallel_dims(tp_size, dp_group))
+        if tp_size > 1 or extra_dp_size > 1:
+            super().__init__(parallel_dims=_gemini_dims(tp_size, extra_dp_size, dp_group))
         else:
             super().__init__(dp_group)
         self.config = config
         self.shard_options = shard_options
         # Every group now, in one order on every rank (creating groups is collective).
-        self.tp_group = self.parallel_dims.group("tp") if tp_size > 1 else None
-        self.chunk_config = normalize_chunk_config(chunk_config_dict, self.world_size)
+        dims = self.parallel_dims
+        self.tp_group = dims.group("tp") if tp_size > 1 else None
+        self.zero_group = dims.group("dp_shard") if extra_dp_size > 1 else self.dp_group
+        self.extra_dp_group = dims.group("dp_replicate") if extra_dp_size > 1 else None
+        self.chunk_config = normalize_chunk_config(chunk_config_dict, self.zero_size)
         self.memstats = memstats
         self.device_memory_limit = device_memory_limit
         self.verbose = bool(verbose)
         self._check_device()
         warn_if_slow_precision("GeminiPlugin", config.precision)
-        self._checkpoint_io = GeminiCheckpointIO(group=self.dp_group) if tp_size == 1 \
-            else GeminiCheckpointIO(parallel_dims=self.parallel_dims)
+        if tp_size > 1:
+            self._checkpoint_io = GeminiCheckpointIO(parallel_dims=dims)
+        else:
+            self._checkpoint_io = GeminiCheckpointIO(group=self.zero_group,
+                                                     replica_group=self.extra_dp_group)
 
     @property
     def tp_size(self) -> int:
@@ -251,9 +266,19 @@ class GeminiPlugin(DPPluginBase):
         return self.shard_options.tp_size
 
     @property
+    def extra_dp_size(self) -> int:
+        """Replicas of the zero group (ColossalAI's extra data parallelism)."""
+        return self.shard_options.extra_dp_size
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel size (the ranks each chunk is sharded over)."""
+        """Data-parallel size: ``world / tp_size`` (``zero_size * extra_dp_size``)."""
         return self.world_size
+
+    @property
+    def zero_size(self) -> int:
+        """The ranks each chunk is sharded over: ``world / (tp_size * extra_dp_size)``."""
+        return self.world_size // self.extra_dp_size
 
     def _check_device(self) -> None:
         device = self.config.chunk_init_device
@@ -293,7 +318,8 @@ class GeminiPlugin(DPPluginBase):
     def _ddp_kwargs(self) -> dict[str, Any]:
         cfg = self.config
         return {
-            "process_group": self.dp_group,
+            "process_group": self.zero_group,
+            "extra_dp_group": self.extra_dp_group,
             "precision": cfg.precision,
             "chunk_config_dict": self.chunk_config,
             "search_range_m": cfg.search_range_m,
@@ -403,27 +429,38 @@ class GeminiPlugin(DPPluginBase):
         return ddp.no_sync()
 
 
-def _tensor_parallel_dims(tp_size: int, dp_group: Any) -> ParallelDims:
-    """``ParallelDims(dp=world / tp_size, tp=tp_size)`` of the whole job, validated.
+def _gemini_dims(tp_size: int, extra_dp_size: int, dp_group: Any) -> ParallelDims:
+    """``ParallelDims(dp=world / tp_size, tp=tp_size, dp_shard=zero)`` of the job, validated.
+
+    The zero group (``dp_shard``) has ``world / (tp_size * extra_dp_size)`` ranks; the
+    ``extra_dp_size`` replicas of it are the ``dp_replicate`` axis.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: A ``dp_group`` was given, or ``tp_size`` does not divide the world size.
+        ValueError: A ``dp_group`` was given, or ``tp_size * extra_dp_size`` does not divide
+            the world size.
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "GeminiPlugin needs torch.distributed initialized first: call "
             "colossal.core.launch_from_torch() (under torchrun) or launch(...)"
         )
+    sizes = ", ".join(f"{n}={v}" for n, v in (("tp_size", tp_size),
+                                               ("extra_dp_size", extra_dp_size)) if v > 1)
     if dp_group is not None:
         raise ValueError(
-            f"GeminiPlugin(tp_size={tp_size}, dp_group=...): with tensor parallelism the "
-            "groups come from the job's layout (dp = world / tp_size); leave dp_group None"
+            f"GeminiPlugin({sizes}, dp_group=...): with tensor or extra data parallelism the "
+            "groups come from the job's layout (dp = world / tp_size, zero = dp / "
+            "extra_dp_size); leave dp_group None"
         )
     world = dist.get_world_size()
-    if world % tp_size:
+    if world % (tp_size * extra_dp_size):
+        product = f"tp_size={tp_size}" if extra_dp_size == 1 else \
+            f"tp_size={tp_size} x extra_dp_size={extra_dp_size} = {tp_size * extra_dp_size}"
         raise ValueError(
-            f"GeminiPlugin: tp_size={tp_size} does not divide the world size {world}; choose "
-            f"a tp_size that divides it (the data-parallel size is world / tp_size)"
+            f"GeminiPlugin: {product} does not divide the world size {world}; choose sizes "
+            "whose product divides it (the data-parallel size is world / tp_size, the zero "
+            "group world / (tp_size * extra_dp_size))"
         )
-    return ParallelDims(dp=world // tp_size, tp=tp_size)
+    dp = world // tp_size
+    return ParallelDims(dp=dp, tp=tp_size, dp_shard=dp // extra_dp_size)

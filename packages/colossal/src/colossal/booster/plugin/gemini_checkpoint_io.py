@@ -19,12 +19,18 @@ time), then the tensor-parallel parts (a parameter replicated over tp from tp ra
 to the writer: full tensors under the model's names, as every plugin writes them. Loading
 reads this rank's tensor-parallel part and keeps its flat range. Optimizer states laid out
 like their parameter are saved and loaded the same way.
+
+Next to extra data parallelism (``GeminiPlugin(extra_dp_size > 1)``) the ranks of the
+``replica_group`` hold the same shards: only the ranks of replica coordinate 0 write (each
+tensor once; with tensor parallelism as well, the IO then works over each replica's
+``dp_shard`` x ``tp`` ranks), the others wait for them; every replica loads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,7 +59,7 @@ from colossal.core import (
     ShardedTensor,
     shard_spec,
 )
-from colossal.core.comm import group_ranks
+from colossal.core.comm import barrier, group_ranks
 from colossal.gemini import (
     ChunkGatherer,
     ChunkTensor,
@@ -100,28 +106,31 @@ def _stream_order(item: tuple[str, Any]) -> tuple[int, str, int]:
     return order if order is not None else (-1, "", 0)
 
 
-def _empty(shape: torch.Size, dtype: torch.dtype) -> LocalShard:
+def _empty(shape: torch.Size, dtype: torch.dtype, group: Any = None) -> LocalShard:
     """The part of a rank that holds none of a tensor of ``shape`` (held elsewhere)."""
     if not shape:
-        return LocalShard(torch.empty(0, dtype=dtype), FlatRange(0, 0), shape)
+        return LocalShard(torch.empty(0, dtype=dtype), FlatRange(0, 0), shape, group)
     none = (0, *shape[1:])
-    return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape)
+    return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape,
+                      group)
 
 
 class _TensorParallelChunk:
     """A Gemini-managed tensor-parallel part as a ``ShardedTensor`` over the whole job.
 
-    ``part`` is what this rank's data-parallel group holds together (the parameter's
-    tensor-parallel part, or all of it when replicated over tp); ``local()`` gathers it
-    (collective over the data-parallel group). ``gather(dst)`` is collective over the job.
+    ``part`` is what this rank's shard group (``dp_shard``: all of dp without extra data
+    parallelism) holds together (the parameter's tensor-parallel part, or all of it when
+    replicated over tp); ``local()`` gathers it (collective over the shard group).
+    ``gather(dst)`` is collective over ``group``.
 
     Args:
         inner: The parameter's flat range in its chunk.
-        dims: The job's layout (``dp`` and ``tp`` axes).
+        dims: The job's layout (``dp_shard`` and ``tp`` axes).
+        group: The ranks that write together (``dp_shard`` x ``tp``; None: the whole job).
     """
 
-    def __init__(self, inner: ChunkTensor, dims: ParallelDims) -> None:
-        self.inner, self.dims = inner, dims
+    def __init__(self, inner: ChunkTensor, dims: ParallelDims, group: Any = None) -> None:
+        self.inner, self.dims, self.group = inner, dims, group
         self.spec = shard_spec(inner.param)
         self._shape = torch.Size(self.spec.shape if self.spec is not None else inner.shape)
         # A replicated parameter is given by tp rank 0 only (every tp rank holds it alike).
@@ -160,14 +169,14 @@ class _TensorParallelChunk:
         data-parallel coordinate (at coordinate 0 when ``dst`` is None), which then give
         their tensor-parallel parts.
         """
-        row = self.dims.coordinate("dp", dst) if dst is not None else 0
-        writer = self.dims.ranks("dp")[row]
+        row = self.dims.coordinate("dp_shard", dst) if dst is not None else 0
+        writer = self.dims.ranks("dp_shard")[row]
         local = self.inner.gather(writer if dst is not None else None)
         if self._gives and dist.get_rank() == writer:
             assert local is not None
-            shard = LocalShard(local, self.part, self._shape)
+            shard = LocalShard(local, self.part, self._shape, self.group)
         else:
-            shard = _empty(self._shape, self.dtype)
+            shard = _empty(self._shape, self.dtype, self.group)
         return shard.gather(dst)
 
     def __repr__(self) -> str:
@@ -181,10 +190,16 @@ class GeminiCheckpointIO(CheckpointIO):
         group: The ranks that write and read together (the whole job when None).
         verify_checksums: Check every file's CRC-32 before loading.
         parallel_dims: The job's layout when Gemini runs next to tensor parallelism
-            (``tp > 1``; then ``group`` must be None: the IO works over the whole job).
+            (``tp > 1``; then ``group`` must be None: the IO works over the whole job, or
+            with extra data parallelism over each replica's ``dp_shard`` x ``tp`` ranks,
+            replicated over ``dp_replicate``).
+        replica_group: Ranks holding replicas of ``group``'s shards (extra data
+            parallelism); its rank 0 writes together with ``group``, the others only wait.
+            Saves are then collective over ``group`` and ``replica_group``.
 
     Raises:
-        ValueError: ``parallel_dims`` with tensor parallelism and a ``group``.
+        ValueError: ``parallel_dims`` with tensor parallelism and a ``group`` or a
+            ``replica_group``.
     """
 
     def __init__(
@@ -192,13 +207,65 @@ class GeminiCheckpointIO(CheckpointIO):
         group: dist.ProcessGroup | None = None,
         verify_checksums: bool = True,
         parallel_dims: ParallelDims | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         tp = parallel_dims is not None and parallel_dims.tp > 1
-        if tp and group is not None:
+        if tp and (group is not None or replica_group is not None):
             raise ValueError("GeminiCheckpointIO: with tensor parallelism the IO works over "
-                             "the whole job; pass parallel_dims without group")
+                             "the whole job; pass parallel_dims without group/replica_group")
+        if tp and parallel_dims.dp_replicate > 1:  # type: ignore[union-attr]
+            group = parallel_dims.group(("dp_shard", "tp"))  # type: ignore[union-attr]
+            replica_group = parallel_dims.group("dp_replicate")  # type: ignore[union-attr]
         super().__init__(group, verify_checksums)
         self.parallel_dims = parallel_dims if tp else None
+        self.replica_group = replica_group
+
+    def _once(self, save: Callable[[], None]) -> None:
+        """Run ``save`` on replica 0 only; the other replicas wait until it returned."""
+        if self.replica_group is None or not dist.is_initialized():
+            save()
+            return
+        if dist.get_rank(self.replica_group) == 0:
+            save()
+        barrier(self.replica_group)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = True,
+        use_async: bool = False,
+        background_snapshot: bool = False,
+    ) -> None:
+        """Save the model (see :meth:`_save_model`); with replicas, replica 0 writes it."""
+        self._once(lambda: self._save_model(model, checkpoint, shard, size_per_shard,
+                                            use_safetensors, use_async, background_snapshot))
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+        background_snapshot: bool = False,
+    ) -> None:
+        """Save the optimizer (see :meth:`_save_optimizer`); with replicas, replica 0 writes."""
+        self._once(lambda: self._save_optimizer(optimizer, checkpoint, shard, size_per_shard,
+                                                use_async, background_snapshot))
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """As :meth:`CheckpointIO.save_lr_scheduler`; with replicas, replica 0 writes it."""
+        self._once(lambda: super(GeminiCheckpointIO, self).save_lr_scheduler(lr_scheduler,
+                                                                             checkpoint))
+
+    def synchronize(self) -> None:
+        """Wait until every async save has been committed on every rank (collective)."""
+        super().synchronize()
+        if self.replica_group is not None and dist.is_initialized():
+            barrier(self.replica_group)
 
     def _in_place(self, manager: Any) -> bool:
         """Whether a sync save may write in place: the chunks are sharded over our group.
@@ -227,9 +294,9 @@ class GeminiCheckpointIO(CheckpointIO):
         spec = shard_spec(value)
         if spec is None or self.parallel_dims is None:
             return value.detach()
-        if self.parallel_dims.coordinate("dp") == 0:
-            return LocalShard(value.detach(), spec.part, spec.shape)
-        return _empty(spec.shape, value.dtype)
+        if self.parallel_dims.coordinate("dp_shard") == 0:
+            return LocalShard(value.detach(), spec.part, spec.shape, self.group)
+        return _empty(spec.shape, value.dtype, self.group)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """A Gemini model's parameters as ``ChunkTensor`` (tied ones once) and its buffers."""
@@ -238,7 +305,7 @@ class GeminiCheckpointIO(CheckpointIO):
             return super().model_state(model)
         return self._gemini_state(gemini, ChunkGatherer())
 
-    def save_model(
+    def _save_model(
         self,
         model: nn.Module,
         checkpoint: str,
@@ -412,9 +479,9 @@ class GeminiCheckpointIO(CheckpointIO):
         """``value`` over the whole job when it is a chunk tensor next to tensor parallelism."""
         if self.parallel_dims is None or not isinstance(value, ChunkTensor):
             return value
-        return _TensorParallelChunk(value, self.parallel_dims)
+        return _TensorParallelChunk(value, self.parallel_dims, self.group)
 
-    def save_optimizer(
+    def _save_optimizer(
         self,
         optimizer: OptimizerWrapper,
         checkpoint: str,

@@ -2,8 +2,8 @@
 
 One frozen dataclass per concern: :class:`GeminiConfig` holds what ``GeminiDDP`` and
 ``GeminiOptimizer`` receive; :class:`ShardformerOptions` the tensor-parallel size and the
-Shardformer optimizations applied before Gemini wraps the model (``extra_dp_size > 1`` is
-refused: Gemini cannot reduce gradients across replicas of a shard group).
+Shardformer optimizations applied before Gemini wraps the model, and the size of the
+replicas of Gemini's shard group (``extra_dp_size``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class ShardformerOptions:
 
     Attributes:
         tp_size: Tensor-parallel size (1: none); the data-parallel size is the rest.
-        extra_dp_size: Replicas of the Gemini shard group (only 1 is supported).
+        extra_dp_size: Replicas of the Gemini shard group (1: none); the chunks are sharded
+            over ``world / (tp_size * extra_dp_size)`` ranks.
         enable_all_optimization: Fused normalization, flash attention (Shardformer).
         enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm.
         enable_flash_attention: colossal-kernels' attention dispatch.
@@ -77,7 +78,6 @@ class ShardformerOptions:
 
     Raises:
         ValueError: A size is not an int >= 1, or a flag lacks what it needs.
-        NotImplementedError: ``extra_dp_size > 1``.
     """
 
     tp_size: int = 1
@@ -94,13 +94,6 @@ class ShardformerOptions:
         _size("extra_dp_size", self.extra_dp_size)
         for name in _SHARDFORMER_FLAGS:
             object.__setattr__(self, name, bool(getattr(self, name)))
-        if self.extra_dp_size > 1:
-            raise NotImplementedError(
-                f"GeminiPlugin(extra_dp_size={self.extra_dp_size}) is not supported: Gemini "
-                "shards every chunk over the whole data-parallel group and cannot reduce "
-                "gradients across replicas of a smaller shard group; leave extra_dp_size=1 "
-                "(with tp_size > 1 the data-parallel size is world / tp_size)"
-            )
         if self.enable_sequence_parallelism and self.tp_size == 1:
             raise ValueError(
                 "GeminiPlugin(enable_sequence_parallelism=True) splits the sequence over the "

@@ -9,7 +9,8 @@ that gathers the full adapter (every stage's, under peft's names) for
 :func:`colossal.booster.plugin.lora.save_lora_as_pretrained`. The ``PeftModel`` keeps its
 module tree (peft reads it to choose what to save) with the other stages' weights emptied.
 
-Tensor parallelism is refused (the adapters are not split with their base layers yet).
+Under tensor parallelism the adapters are split with their base layers
+(:mod:`.hybrid_lora_tp`).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from colossal.booster.plugin.hybrid_lora import (
     prefixed_aliases,
     release_unheld,
 )
+from colossal.booster.plugin.hybrid_lora_tp import lora_policy
 from colossal.booster.plugin.hybrid_model import (
     HybridParallelModel,
     cast_floats,
@@ -326,28 +327,35 @@ class HybridParallelPlugin(DPPluginBase):
         return self.pp_size > 1
 
     def support_lora(self) -> bool:
-        """Without tensor parallelism; frozen base weights get no optimizer state.
+        """True; frozen base weights get no optimizer state.
 
-        Any pipeline, sequence and ZeRO layout with ``tp_size == 1`` (see :mod:`.hybrid_lora`).
+        Any tensor, pipeline and ZeRO layout; sequence parallelism only with ``tp_size == 1``
+        (see :mod:`.hybrid_lora` and :mod:`.hybrid_lora_tp`).
         """
-        return self.tp_size == 1
+        return not self._lora_refusal()
 
     def enable_lora(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        """Add peft LoRA adapters (see ``Booster.enable_lora``); needs ``tp_size == 1``.
+        """Add peft LoRA adapters (see ``Booster.enable_lora``).
 
         Raises:
-            NotImplementedError: ``tp_size > 1``.
+            NotImplementedError: Sequence parallelism with ``tp_size > 1``.
         """
         self._check_lora()
         return super().enable_lora(model, *args, **kwargs)
 
-    def _check_lora(self) -> None:
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                f"HybridParallelPlugin(tp_size={self.tp_size}) does not support LoRA yet: the "
-                "adapters are not split with their tensor-parallel base layers. Use tp_size=1 "
-                "(pipeline, sequence and data parallelism with ZeRO work with LoRA)"
+    def _lora_refusal(self) -> str:
+        if self.tp_size > 1 and self.config.enable_sequence_parallelism:
+            return (
+                f"HybridParallelPlugin(tp_size={self.tp_size}, enable_sequence_parallelism=True) "
+                "does not support LoRA: the adapters do not follow the sequence split. Turn "
+                "sequence parallelism off, or use tp_size=1"
             )
+        return ""
+
+    def _check_lora(self) -> None:
+        refusal = self._lora_refusal()
+        if refusal:
+            raise NotImplementedError(refusal)
 
     def configure(
         self,
@@ -374,10 +382,11 @@ class HybridParallelPlugin(DPPluginBase):
             **self.shard_options,
         )
         inner, peft_model, prefix = peft_parts(model)
+        policy = self.custom_policy
         if peft_model is not None:
             self._check_lora()
-        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config,
-                                                    self.custom_policy)
+            policy = self._lora_policy(inner, policy)
+        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
         self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
         if self.stage_manager is not None:
             self.schedule = self._schedule(shared)
@@ -397,6 +406,14 @@ class HybridParallelPlugin(DPPluginBase):
     def precision_dtype(self) -> torch.dtype:
         """The dtype parameters are cast to."""
         return parse_precision(self.config.precision).dtype
+
+    def _lora_policy(self, inner: nn.Module, policy: Any) -> Any:
+        """The policy splitting LoRA adapters with their base layers (``tp_size > 1``)."""
+        if self.tp_size == 1:
+            return policy
+        from colossal.shardformer.policies.auto_policy import get_autopolicy
+
+        return lora_policy(get_autopolicy(inner) if policy is None else policy, self.tp_group)
 
     def _lora_source(self, peft_model: nn.Module, module: nn.Module, prefix: str) -> Any:
         """The adapter saver of a boosted ``PeftModel`` (other stages' weights released)."""

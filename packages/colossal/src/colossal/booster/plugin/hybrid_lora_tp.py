@@ -1,0 +1,133 @@
+"""Tensor-parallel LoRA: peft's adapters split consistently with their sharded base layer.
+
+peft wraps each targeted ``nn.Linear`` in a ``lora.Linear`` (``base_layer``, ``lora_A``,
+``lora_B``). The policies know the ``nn.Linear``: :func:`lora_policy` derives a policy that
+unwraps the targets before the module policy runs (the base layer is sharded as usual) and
+wraps them back afterwards, splitting the adapters:
+
+- column-parallel base (``Linear1D_Col``): ``lora_A`` replicated, ``lora_B`` column-parallel.
+  ``lora_B``'s input enters the tensor-parallel region, so ``dh`` is all-reduced and
+  ``lora_A``'s gradient is whole and equal on the tp ranks. When the layer's input is
+  already in the region (a hook all-reduces its gradient once for sibling projections), the
+  adapter's input gradient, whole on every rank, is divided by tp before that all-reduce;
+- row-parallel base (``Linear1D_Row``): ``lora_A`` row-parallel (its output ``h`` is
+  all-reduced), ``lora_B`` replicated.
+
+Replicated adapters have no shard spec: the global gradient norm counts them on tp rank 0
+only (``replicated_over_tp``). Other parallel base layers (fused GPT-2 ``Conv1D``,
+vocabulary-parallel heads) are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["lora_policy"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class RegionInputGrad(nn.Module):
+    """Divides the input gradient by tp when the input is in the tensor-parallel region.
+
+    Args:
+        group: The tensor-parallel group.
+        tp_size: Its size.
+    """
+
+    def __init__(self, group: Any, tp_size: int) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``; its gradient divided by tp when a region hook all-reduces it afterwards."""
+        from colossal.shardformer.layer._primitives import is_in_tp_region
+
+        if is_in_tp_region(x, self.group):
+            return _ScaleGrad.apply(x, 1.0 / self.tp_size)
+        return x
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None),
+                                                        nn.ModuleDict)
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._modules[name] = module
+
+
+def _unwrap(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Put each ``lora.Linear``'s base layer in its place; ``(path, lora layer)`` pairs."""
+    found = [(n, m) for n, m in model.named_modules() if _is_lora_linear(m)]
+    for path, lora in found:
+        _set(model, path, lora.base_layer)
+    return found
+
+
+def _split_adapters(path: str, lora: nn.Module, base: nn.Module, group: Any) -> None:
+    from colossal.shardformer.layer import Linear1D_Col, Linear1D_Row
+
+    if base is lora.base_layer:
+        return  # not sharded: the adapters stay whole
+    names = list(lora.lora_A)
+    if type(base) is Linear1D_Col and base.n_fused == 1:
+        for name in names:
+            lora.lora_B[name] = Linear1D_Col.from_native_module(
+                lora.lora_B[name], group, gather_output=base.gather_output)
+            lora.lora_dropout[name] = nn.Sequential(
+                RegionInputGrad(group, base.tp_size), lora.lora_dropout[name])
+    elif type(base) is Linear1D_Row:
+        for name in names:
+            lora.lora_A[name] = Linear1D_Row.from_native_module(
+                lora.lora_A[name], group, parallel_input=base.parallel_input)
+    else:
+        raise NotImplementedError(
+            f"LoRA on {path!r}: its base layer becomes {type(base).__name__} under tensor "
+            "parallelism, whose adapters cannot be split yet (plain Linear1D_Col/Linear1D_Row "
+            "only); leave it out of target_modules or use tp_size=1"
+        )
+    lora._modules["base_layer"] = base
+
+
+def lora_policy(policy: Any, group: Any) -> Any:
+    """A copy of ``policy`` that shards peft's LoRA layers (see the module docstring).
+
+    Args:
+        policy: The Shardformer policy of the model inside the ``PeftModel``.
+        group: The tensor-parallel group.
+    """
+    base_cls = type(policy)
+
+    class LoraPolicy(base_cls):  # type: ignore[valid-type, misc]
+        def preprocess(self) -> nn.Module:
+            self._lora_layers = _unwrap(self.model)
+            return super().preprocess()
+
+        def postprocess(self) -> nn.Module:
+            model = super().postprocess()
+            for path, lora in self._lora_layers:
+                _split_adapters(path, lora, model.get_submodule(path), group)
+                _set(model, path, lora)
+            return model
+
+    LoraPolicy.__name__ = LoraPolicy.__qualname__ = f"Lora{base_cls.__name__}"
+    new = copy.copy(policy)
+    new.__class__ = LoraPolicy
+    return new

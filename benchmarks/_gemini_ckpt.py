@@ -57,7 +57,15 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
         return {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
 
 
-ROUNDS = 3
+ROUNDS = 5
+
+
+def _probe(rank: int, world: int, root: str, nbytes: int) -> float:
+    """Seconds for every rank to write its share of ``nbytes`` with fsync (the disk's speed).
+
+    ``nbytes`` is the save's size once known, else the model states' (when the save failed).
+    """
+    return disk_write(os.path.join(root, f"disk{rank}.bin"), max(nbytes // world, 1 << 20))
 
 
 def _median(values: list[float]) -> float:
@@ -73,9 +81,11 @@ def checkpoint_rows(
     the Gemini rows are those the save wrote (read back from the directory). The disk write,
     our save and load, and the previous save path alternate in ``rounds`` rounds (the first
     writer of a run would otherwise pay for the others' page-cache state); each row is the
-    median, with min and max. Like the disk probe (which writes a new file and deletes it
-    untimed), each round saves into a new directory, deleted untimed; a separate row saves
-    over the round's checkpoint, which also deletes the replaced files inside the save.
+    median, with min and max; the save and load rows also carry the median over rounds of
+    the probe's time over theirs in the same round (``*_vs_disk_paired``). Like the disk
+    probe (which writes a new file and deletes it untimed), each round saves into a new
+    directory, deleted untimed; a separate row saves over the round's checkpoint, which also
+    deletes the replaced files inside the save.
     """
     from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 
@@ -92,6 +102,8 @@ def checkpoint_rows(
             io.save_model(model, model_dir, shard=True)
             io.save_optimizer(optim, optim_dir, shard=True)
 
+        if i % 2:  # alternate which of the two writes first (page-cache and writeback state)
+            times["disk"].append(_probe(rank, world, root, nbytes or 3 * 4 * psi))
         if "status" not in saved:
             try:
                 times["save"].append(_timed(save))
@@ -113,11 +125,8 @@ def checkpoint_rows(
             dist.barrier()
         if rank == 0:
             shutil.rmtree(here, ignore_errors=True)
-        # disk bandwidth for the same bytes (or, when the save failed, the model states' size)
-        probe = nbytes or 3 * 4 * psi  # fp32 params + two Adam states
-        times["disk"].append(
-            disk_write(os.path.join(root, f"disk{rank}.bin"), max(probe // world, 1 << 20))
-        )
+        if not i % 2:
+            times["disk"].append(_probe(rank, world, root, nbytes or 3 * 4 * psi))
     probe = nbytes or 3 * 4 * psi
     gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [
@@ -130,6 +139,12 @@ def checkpoint_rows(
         {"method": "gemini save streamed through gathers (previous path)", "GB": gigabytes,
          **streamed, **_spread("save", times["streamed"])},
     ]
+    # Paired: each round's probe against the same round's save and load (the disk's speed
+    # drifts between rounds; a pair shares it).
+    for kind in ("save", "load"):
+        pairs = [d / t for d, t in zip(times["disk"], times[kind], strict=False) if t]
+        if pairs and nbytes:
+            rows[1][f"{kind}_vs_disk_paired"] = _median(pairs)
     for row in rows:
         if "save_s" in row:
             row["save_GB_s"] = row["GB"] / row["save_s"]

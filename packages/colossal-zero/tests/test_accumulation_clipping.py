@@ -6,7 +6,7 @@ import pytest
 import torch
 from zero_testlib import batch, local, loss_fn, make_model, make_optimizer, reference
 
-from colossal.core.comm import CommTracker
+from colossal.core.comm import CommTracker, shm
 from colossal.core.testing import distributed_test, relative_error
 from colossal.zero import LowLevelZeroOptimizer
 
@@ -58,9 +58,11 @@ def test_no_sync_does_not_communicate(rank: int, world_size: int, overlap: bool)
     assert (accumulating.calls(), accumulating.bytes()) == (0, 0), accumulating.table()
     with CommTracker() as synced:
         opt.backward(loss_fn(model, x1, y1) / 4)
-    # One all-reduce per bucket, of every gradient once (stage 1 keeps full gradients).
-    assert synced.calls() == synced.calls("all_reduce") == len(opt.buckets), synced.table()
-    assert synced.bytes("all_reduce") == 4 * numel, synced.table()
+    # One reduction per bucket, of every gradient once (stage 1 keeps full gradients): a
+    # reduce-scatter into this rank's slice through shared memory, else an all-reduce.
+    kind = "reduce_scatter" if shm.available(None, opt.flat_params[0]) else "all_reduce"
+    assert synced.calls() == synced.calls(kind) == len(opt.buckets), synced.table()
+    assert synced.bytes(kind) == 4 * numel, synced.table()
     with CommTracker() as stepping:
         opt.step()
     # The step gathers the updated parameters (and agrees on the norm); it reduces nothing.

@@ -1,11 +1,13 @@
 """Gradient buckets: filled by post-accumulate-grad hooks, reduced in a fixed global order.
 
-Stage 1 keeps a full flat gradient buffer per group and all-reduces each bucket of it in
-place; stage 2 copies gradients into a short-lived bucket buffer, reduce-scatters it and keeps
-only this rank's slice. A bucket's collective is started (asynchronously, when overlapping) as
-soon as all of its gradients have arrived and every earlier bucket has been started; whatever
-remains is started when backward ends, with zeros for parameters that got no gradient, so every
-rank issues the same collectives in the same order whatever its graph used.
+Stage 1 keeps a full flat gradient buffer per group and reduces each bucket of it in place (an
+all-reduce on gloo; through shared memory a reduce-scatter into this rank's slice, the only
+part its step reads, while the other slices keep local gradients); stage 2 copies gradients
+into a short-lived bucket buffer, reduce-scatters it and keeps only this rank's slice. A
+bucket's collective is started (asynchronously, when overlapping) as soon as all of its
+gradients have arrived and every earlier bucket has been started; whatever remains is started
+when backward ends, with zeros for parameters that got no gradient, so every rank issues the
+same collectives in the same order whatever its graph used.
 """
 
 from __future__ import annotations
@@ -75,14 +77,12 @@ class GradReducer:
         self.shard_dtype = shard_dtype
         self.shard_device = shard_device
         self.overlap = overlap
-        # Stage 2 through shared memory (ranks of one host) reduce-scatters synchronously:
+        # Through shared memory (ranks of one host) both stages reduce-scatter synchronously:
         # faster than gloo's even overlapped (an asynchronous call would take gloo). Stage 1
-        # all-reduces stay asynchronous: through shared memory every rank would read every
-        # rank's whole bucket, slower than gloo's overlapped ring at 50M parameters.
-        self._async_ok = not (
-            partition_grad
-            and shm.available(group, torch.empty(0, dtype=comm_dtype, device=device))
-        )
+        # then reduces only this rank's slice of its flat buffer in place (the slice the
+        # step reads): half the traffic of an all-reduce, which it needs only on gloo.
+        self._shm = shm.available(group, torch.empty(0, dtype=comm_dtype, device=device))
+        self._async_ok = not self._shm
         self.sync = True
         self._states = [_BucketState() for _ in self.buckets]
         self._next = 0
@@ -174,9 +174,10 @@ class GradReducer:
     def _clear_others(self, bucket: Bucket, state: _BucketState) -> None:
         """Stage 1 re-reduction: keep the reduced sum only in this rank's own slice.
 
-        After a reduction every rank holds the same sum; summing it again would count it
-        ``W`` times. Zeroing everything but the owner's slice makes the next all-reduce add
-        the new local gradients to exactly one copy of the old sum.
+        After a reduction this rank's slice holds the sum (after an all-reduce, every slice
+        does); summing it again would count it ``W`` times. Zeroing everything but the
+        owner's slice makes the next reduction add the new local gradients to exactly one
+        copy of the old sum.
         """
         flat = self.flat_grads[bucket.group]
         assert flat is not None
@@ -229,7 +230,11 @@ class GradReducer:
             flat = self.flat_grads[bucket.group]
             assert flat is not None
             region = flat[bucket.start : bucket.start + bucket.size]
-            work = all_reduce(region, group=self.group, async_op=async_op)
+            if self._shm:
+                lo, hi = bucket.shard_range(self.rank, self.world_size)
+                work = reduce_scatter(flat[lo:hi], region, group=self.group, algorithm="shm")
+            else:
+                work = all_reduce(region, group=self.group, async_op=async_op)
             post = None
         state.launched = True
         state.reduced += 1

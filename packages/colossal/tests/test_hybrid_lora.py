@@ -139,6 +139,36 @@ def _check_layout(model_name: str, kind: str, max_norm: float, kwargs: dict[str,
     dist.barrier()
 
 
+def _check_model_checkpoint(kwargs: dict[str, Any], directory: Path) -> None:
+    """``save_model`` writes the PeftModel's state dict (peft's names, full tensors), as the
+    other plugins do, and ``load_model`` reads it back into another layout's shards."""
+    from safetensors.torch import load_file
+
+    from colossal.booster.plugin import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(precision="fp32", **kwargs))
+    model = booster.enable_lora(MODELS["llama"](), lora_config=lora_config("llama"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # lora_B starts at zero
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model, *_ = booster.boost(model)
+    booster.save_model(model, str(directory))
+    saved: dict[str, torch.Tensor] = {}
+    for file in directory.glob("*.safetensors"):
+        saved.update(load_file(str(file)))
+    assert saved.keys() == expected.keys(), sorted(saved.keys() ^ expected.keys())[:5]
+    for name, value in expected.items():
+        assert torch.equal(saved[name], value), name
+    other = Booster(plugin=HybridParallelPlugin(precision="fp32", tp_size=1, pp_size=1))
+    again, *_ = other.boost(other.enable_lora(MODELS["llama"](), lora_config=lora_config("llama")))
+    other.load_model(again, str(directory))
+    for name, p in again.unwrap().named_parameters():
+        assert torch.equal(p.detach(), expected["base_model.model." + name]), name
+
+
 @distributed_test(4)
 def test_lora_pipeline_zero_layouts(rank: int, world_size: int, tmp_path: Path) -> None:
     """pp2 x dp2 (ZeRO-1, AdamW), GPT-2 pp2 x dp2 with tied embeddings on two stages and
@@ -151,17 +181,22 @@ def test_lora_pipeline_zero_layouts(rank: int, world_size: int, tmp_path: Path) 
 def test_lora_tp2_with_clipping(rank: int, world_size: int, tmp_path: Path) -> None:
     """Llama tp2: q/v column-parallel (replicated lora_A, split lora_B; their input enters
     the tp region once for the attention), down_proj row-parallel (split lora_A); the
-    clipped SGD step sees replicated adapters counted once in the norm."""
+    clipped SGD step sees replicated adapters counted once in the norm; the model
+    checkpoint."""
     _check_layout("llama", "sgd", CLIP, {"tp_size": 2, "pp_size": 1}, tmp_path / "tp2")
+    _check_model_checkpoint({"tp_size": 2, "pp_size": 1}, tmp_path / "tp2-model")
 
 
 @distributed_test(4)
 def test_lora_tp2_with_zero_and_pipeline(rank: int, world_size: int, tmp_path: Path) -> None:
-    """Llama tp2 x dp2 with ZeRO-2 (AdamW), then tp2 x pp2 (SGD)."""
+    """Llama tp2 x dp2 with ZeRO-2 (AdamW), then tp2 x pp2 (SGD); tp2 x pp2's model
+    checkpoint."""
     _check_layout("llama", "adamw", 0.0, {"tp_size": 2, "pp_size": 1, "zero_stage": 2},
                   tmp_path / "tp2dp2")
     _check_layout("llama", "sgd", 0.0, {"tp_size": 2, "pp_size": 2, "num_microbatches": 2},
                   tmp_path / "tp2pp2")
+    _check_model_checkpoint({"tp_size": 2, "pp_size": 2, "num_microbatches": 2},
+                            tmp_path / "tp2pp2-model")
 
 
 @distributed_test(2)

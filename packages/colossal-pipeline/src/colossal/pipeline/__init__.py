@@ -8,7 +8,13 @@ replays with per-action costs, and the executor runs with :class:`PipelineP2P` t
 """
 
 from colossal.pipeline.__about__ import __version__
-from colossal.pipeline.generators import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
+from colossal.pipeline.generators import (
+    forward_only,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_v,
+)
 from colossal.pipeline.ir import Action, ActionType, ScheduleIR, TimelineEvent
 from colossal.pipeline.layout import StageLayout, distribute_layers
 from colossal.pipeline.microbatch import split_batch
@@ -45,6 +51,7 @@ __all__ = [
     "ZeroBubbleVPipeScheduler",
     "__version__",
     "distribute_layers",
+    "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

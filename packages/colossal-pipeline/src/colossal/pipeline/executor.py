@@ -64,6 +64,8 @@ class StageExecutor:
             it (with the transfers before an earlier compute), so its data arrives while the
             stage computes; 0 posts it where the IR has it, right before its use. A receive is
             still waited for only at its use.
+        forward_only: Run without autograd and keep nothing for a backward (an IR of
+            forwards only, for evaluation).
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class StageExecutor:
         return_outputs: bool = False,
         record_timeline: bool = False,
         recv_lookahead: int = RECV_LOOKAHEAD,
+        forward_only: bool = False,
     ) -> None:
         self.ir = ir
+        self.forward_only = forward_only
         self.sm = stage_manager
         self.stage = stage_manager.stage
         self.chunks = list(chunks)
@@ -204,7 +208,8 @@ class StageExecutor:
                 self.outputs[mb] = unflatten(*_detached(out))
             out = loss.reshape(()) / len(self.microbatches)
             self.losses.append(out.detach())
-        self.saved[key] = (diff, out)
+        # Forward-only: no graph is kept; the output waits here only for its send.
+        self.saved[key] = ([], out) if self.forward_only else (diff, out)
         nxt = self._local(v + 1)
         if nxt is not None:
             self.inputs[(mb, nxt)] = out
@@ -271,7 +276,8 @@ class StageExecutor:
             peer = self.sm.get_rank(self.ir.peer(self.stage, a))
             tag = self.ir.channel(self.stage, a)
             if a.type == ActionType.SEND_FORWARD:
-                sends.append((self.saved[key][1], peer, tag))
+                out = self.saved.pop(key)[1] if self.forward_only else self.saved[key][1]
+                sends.append((out, peer, tag))
             else:
                 sends.append((self.to_send.pop(key), peer, tag))
             posted.append(a)
@@ -320,7 +326,7 @@ class StageExecutor:
         i = k = 0
         self.p2p.begin_step()
         try:
-            with torch.enable_grad():
+            with torch.set_grad_enabled(not self.forward_only):
                 while i < len(acts):
                     j = i
                     while j < len(acts) and acts[j].type.is_comm:

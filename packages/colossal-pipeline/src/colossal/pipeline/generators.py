@@ -55,6 +55,19 @@ def insert_comm(
     return tuple(out_all)
 
 
+def forward_only(layout: StageLayout, num_microbatches: int, name: str = "forward") -> ScheduleIR:
+    """Forwards only, for evaluation (GPipe's first half, on a loop or V layout).
+
+    Each stage runs its chunks in slice order, every microbatch of one chunk before the next.
+    """
+    _check("num_microbatches", num_microbatches)
+    compute = [
+        [Action(F, mb, c) for c in range(layout.num_chunks) for mb in range(num_microbatches)]
+        for _ in range(layout.num_stages)
+    ]
+    return ScheduleIR(name, layout, num_microbatches, insert_comm(layout, compute))
+
+
 def gpipe(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> ScheduleIR:
     """All forwards, then all backwards (chunks in the loop layout, the last chunk first back)."""
     _check("num_stages", num_stages)

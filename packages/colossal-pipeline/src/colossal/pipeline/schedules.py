@@ -12,7 +12,13 @@ from torch import nn
 
 from colossal.core import get_accelerator
 from colossal.pipeline.executor import RECV_LOOKAHEAD, StageExecutor
-from colossal.pipeline.generators import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_v
+from colossal.pipeline.generators import (
+    forward_only,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_v,
+)
 from colossal.pipeline.ir import ScheduleIR, TimelineEvent
 from colossal.pipeline.microbatch import batch_size, resolve_num_microbatches, split_batch
 from colossal.pipeline.p2p import PipelineP2P
@@ -101,6 +107,7 @@ class PipelineSchedule(ABC):
         self.last_wait_timeline: list[TimelineEvent] = []
         self._hooks: list[Callable[[], None]] = []
         self._irs: dict[int, ScheduleIR] = {}
+        self._forward_irs: dict[int, ScheduleIR] = {}
 
     @property
     def num_model_chunks(self) -> int:
@@ -124,6 +131,15 @@ class PipelineSchedule(ABC):
             )
             self._irs[num_microbatches] = ir
         return self._irs[num_microbatches]
+
+    def get_forward_ir(self, num_microbatches: int) -> ScheduleIR:
+        """The forwards-only IR on this schedule's layout (evaluation; cached)."""
+        if num_microbatches not in self._forward_irs:
+            layout = self.get_ir(num_microbatches).layout
+            self._forward_irs[num_microbatches] = forward_only(
+                layout, num_microbatches, f"{self.name}-forward"
+            )
+        return self._forward_irs[num_microbatches]
 
     def register_post_backward_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` after each step's backward, once every gradient is final.
@@ -168,7 +184,9 @@ class PipelineSchedule(ABC):
         a microbatch (a dict as keyword arguments), every other slice with the previous
         slice's output (a dict as keywords, a tuple as positional arguments). The last slice
         computes ``criterion(outputs, microbatch) / num_microbatches``; gradients accumulate
-        into ``.grad`` (call ``zero_grad`` yourself).
+        into ``.grad`` (call ``zero_grad`` yourself). Under ``torch.no_grad()`` (evaluation)
+        only the forwards run, every microbatch through the stages in order, and no gradient,
+        optimizer or post-backward hook is touched (ColossalAI's ``forward_only``).
 
         Args:
             model: This stage's module, or its list of model chunks.
@@ -209,24 +227,25 @@ class PipelineSchedule(ABC):
         num = resolve_num_microbatches(
             batch_size(batch), self.num_microbatches, self.microbatch_size
         )
-        ir = self.get_ir(num)
+        evaluating = not torch.is_grad_enabled()
         executor = StageExecutor(
-            ir,
+            self.get_forward_ir(num) if evaluating else self.get_ir(num),
             self.stage_manager,
             chunks,
             self.p2p,
             split_batch(batch, num),
             criterion,
-            optimizer=optimizer,
+            optimizer=None if evaluating else optimizer,
             return_outputs=return_outputs,
             record_timeline=self.record_timeline,
             recv_lookahead=self.recv_lookahead,
+            forward_only=evaluating,
         )
         loss, outputs = executor.run()
         self.last_timeline = executor.timeline
         self.last_comm_timeline = executor.comm_timeline
         self.last_wait_timeline = executor.wait_timeline
-        if sync_shared_params:
+        if sync_shared_params and not evaluating:
             self.shared_params()
             for hook in self._hooks:
                 hook()

@@ -182,9 +182,32 @@ def test_lora_tp2_with_clipping(rank: int, world_size: int, tmp_path: Path) -> N
     """Llama tp2: q/v column-parallel (replicated lora_A, split lora_B; their input enters
     the tp region once for the attention), down_proj row-parallel (split lora_A); the
     clipped SGD step sees replicated adapters counted once in the norm; the model
-    checkpoint."""
+    checkpoint; lora_dropout keeping the replicated adapters equal."""
     _check_layout("llama", "sgd", CLIP, {"tp_size": 2, "pp_size": 1}, tmp_path / "tp2")
     _check_model_checkpoint({"tp_size": 2, "pp_size": 1}, tmp_path / "tp2-model")
+    _check_dropout_keeps_replicas_equal()
+
+
+def _check_dropout_keeps_replicas_equal() -> None:
+    """With lora_dropout > 0 under tp2, replicated adapters stay equal over the tp ranks."""
+    from colossal.booster.plugin import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"))
+    config = lora_config("llama")
+    config.lora_dropout = 0.5
+    model = booster.enable_lora(MODELS["llama"](), lora_config=config)
+    model, optimizer, *_ = booster.boost(model, make_optimizer(model, "adamw"))
+    model.train()
+    torch.manual_seed(dist.get_rank())  # the global RNG may differ over the ranks
+    for step in range(2):
+        optimizer.zero_grad()
+        booster.backward(model(**rows(global_batch(step), 0, 2)).loss, optimizer)
+        optimizer.step()
+    for name, p in model.unwrap().named_parameters():
+        if p.requires_grad and shard_spec(p) is None:
+            copies = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(copies, p.detach().contiguous())
+            assert torch.equal(copies[0], copies[1]), f"{name} differs over tp"
 
 
 @distributed_test(4)

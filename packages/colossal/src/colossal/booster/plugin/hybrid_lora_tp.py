@@ -13,6 +13,9 @@ wraps them back afterwards, splitting the adapters:
 - row-parallel base (``Linear1D_Row``): ``lora_A`` row-parallel (its output ``h`` is
   all-reduced), ``lora_B`` replicated.
 
+``lora_dropout`` becomes Shardformer's seeded dropout: one mask over the tp ranks for a
+replicated input (else the replicated ``lora_A`` drifts apart), one per rank for a split one.
+
 Replicated adapters have no shard spec: the global gradient norm counts them on tp rank 0
 only (``replicated_over_tp``). Other parallel base layers (fused GPT-2 ``Conv1D``,
 vocabulary-parallel heads) are refused.
@@ -81,6 +84,19 @@ def _unwrap(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _seeded(dropout: nn.Module, group: Any, replicated: bool) -> nn.Module:
+    """``dropout`` seeded for tensor parallelism (collective over the group when ``p > 0``).
+
+    One mask over the tp ranks for a replicated input, one per rank for a split input.
+    """
+    from colossal.shardformer.layer import DropoutForParallelInput, DropoutForReplicatedInput
+
+    if not isinstance(dropout, nn.Dropout) or dropout.p == 0:
+        return dropout
+    cls = DropoutForReplicatedInput if replicated else DropoutForParallelInput
+    return cls.from_native_module(dropout, group)
+
+
 def _split_adapters(path: str, lora: nn.Module, base: nn.Module, group: Any) -> None:
     from colossal.shardformer.layer import Linear1D_Col, Linear1D_Row
 
@@ -92,11 +108,14 @@ def _split_adapters(path: str, lora: nn.Module, base: nn.Module, group: Any) -> 
             lora.lora_B[name] = Linear1D_Col.from_native_module(
                 lora.lora_B[name], group, gather_output=base.gather_output)
             lora.lora_dropout[name] = nn.Sequential(
-                RegionInputGrad(group, base.tp_size), lora.lora_dropout[name])
+                RegionInputGrad(group, base.tp_size),
+                _seeded(lora.lora_dropout[name], group, replicated=True))
     elif type(base) is Linear1D_Row:
         for name in names:
             lora.lora_A[name] = Linear1D_Row.from_native_module(
                 lora.lora_A[name], group, parallel_input=base.parallel_input)
+            lora.lora_dropout[name] = _seeded(lora.lora_dropout[name], group,
+                                              replicated=not base.parallel_input)
     else:
         raise NotImplementedError(
             f"LoRA on {path!r}: its base layer becomes {type(base).__name__} under tensor "

@@ -71,7 +71,6 @@ REPO = os.path.dirname(HERE)
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 LOG_EVERY = 100  # iterations between the all-reduces of the logged training loss
 SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
-EVAL_TAG = 4242  # p2p tag of the forward-only validation (the schedules tag 2 x slice + 0/1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,29 +300,17 @@ def mean_over_holders(values: list[float] | None, n: int = 1) -> list[float]:
 
 
 def pipeline_losses(plugin: HybridParallelPlugin, model, batches) -> list[float] | None:
-    """Forward-only losses of ``batches`` through the pipeline (None before the last stage).
+    """Validation losses of ``batches`` through the pipeline (None before the last stage).
 
-    Each stage runs its part of the model on every batch under ``torch.no_grad`` and sends
-    its output (the hidden state with the labels) to the next stage, which computes while
-    the previous one goes on with the next batch.
+    Called under ``torch.no_grad``, where the plugin's schedule runs only the forwards of
+    each batch's microbatches; the loss exists on the last stage.
     """
-    from colossal.pipeline import PipelineP2P
-
-    sm = plugin.stage_manager
-    stage = model.unwrap()
-    p2p = PipelineP2P(plugin.pp_group)
     losses = []
     for x, y in batches:
-        if sm.is_first_stage():
-            out = stage(**hf_batch(x, y))
-        else:
-            out = stage(**p2p.recv(sm.get_prev_rank(), EVAL_TAG))
-        if sm.is_last_stage():
-            losses.append(out.loss.item())
-        else:
-            p2p.send(out, sm.get_next_rank(), EVAL_TAG)
-    p2p.wait_all()
-    return losses if sm.is_last_stage() else None
+        out = plugin.execute_pipeline(iter([hf_batch(x, y)]), model, hf_loss, None)
+        if out["loss"] is not None:
+            losses.append(out["loss"].item())
+    return losses if plugin.stage_manager.is_last_stage() else None
 
 
 @torch.no_grad()

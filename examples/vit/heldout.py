@@ -6,9 +6,10 @@ rank has to take part in every batch. One rank counts: the first replica's tenso
 rank 0, on the last pipeline stage when there is a pipeline. Its sums reach every rank in
 one all-reduce.
 
-Under pipeline parallelism the training schedule always runs the backward (it has no
-forward-only mode), so evaluation runs a forward-only pipeline of its own under
-``torch.no_grad()``: the first stage calls its part of the model on the images and sends
+Under pipeline parallelism evaluation runs a forward pipeline of its own under
+``torch.no_grad()`` (the schedule's forward-only mode, ``booster.execute_pipeline`` under
+``no_grad``, would split every batch into its microbatches, which 360 images need not
+divide): the first stage calls its part of the model on the images and sends
 the hidden states (a dict) to the next stage with a :class:`colossal.pipeline.PipelineP2P` of
 its own, on a tag the schedule does not use; the last stage computes the logits.
 """

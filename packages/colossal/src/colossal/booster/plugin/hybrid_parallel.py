@@ -459,7 +459,8 @@ class HybridParallelPlugin(DPPluginBase):
         """One batch through the pipeline schedule: forward, loss, backward of every microbatch.
 
         ``criterion(outputs, microbatch)`` runs on the last stage; each rank draws one batch
-        from ``data_iter`` (floating tensors are cast to the training precision).
+        from ``data_iter`` (floating tensors are cast to the training precision). Under
+        ``torch.no_grad()`` (evaluation) only the forwards run and ``optimizer`` may be None.
 
         Returns:
             ``{"loss": ..., "outputs": ...}`` (None on ranks without the last stage).

@@ -9,6 +9,7 @@ from colossal.shardformer.layer._primitives import (
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    scale_grad,
     split_to_tp_region,
 )
 from colossal.shardformer.layer.dropout import DropoutForParallelInput, DropoutForReplicatedInput
@@ -47,5 +48,6 @@ __all__ = [
     "gather_from_tp_region",
     "padded_vocab_size",
     "reduce_from_tp_region",
+    "scale_grad",
     "split_to_tp_region",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "reduce_from_tp_region",
     "reduce_scatter_seq",
     "reduce_scatter_sequence",
+    "scale_grad",
     "split_to_tp_region",
 ]
 
@@ -291,3 +292,21 @@ def is_in_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Whether ``x`` is the exact tensor :func:`mark_tp_region` tagged for ``group``."""
     tag = getattr(x, _REGION_ATTR, None)
     return tag is not None and tag is (_WORLD if group is None else group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged; its gradient multiplied by ``scale`` (e.g. ``1 / tp`` before a sum)."""
+    return _ScaleGrad.apply(x, scale)

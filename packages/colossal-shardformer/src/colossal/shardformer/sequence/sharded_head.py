@@ -52,6 +52,7 @@ from torch import nn
 
 from colossal.core.comm import all_reduce
 from colossal.kernels import cross_entropy
+from colossal.shardformer.layer._primitives import scale_grad
 from colossal.shardformer.sequence.grad_sync import mark_partial_grad, partial_grad_group
 from colossal.shardformer.sequence.layout import split_sequence, token_indices
 from colossal.shardformer.sequence.stack_hooks import SequenceParallelState
@@ -85,19 +86,6 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -356,7 +344,7 @@ def install_tied_embedding_grad_scale(model: nn.Module, state: SequenceParallelS
         marked, _ = partial_grad_group(weight) if weight is not None else (False, None)
         if not marked or state.size == 1 or not isinstance(output, torch.Tensor):
             return None
-        return _ScaleGrad.apply(output, 1.0 / state.size)
+        return scale_grad(output, 1.0 / state.size)
 
     state.handles.append(emb.register_forward_hook(scale))
     emb._colossal_tied_grad_scale = True

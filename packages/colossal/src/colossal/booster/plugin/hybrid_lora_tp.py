@@ -32,17 +32,6 @@ from torch import nn
 __all__ = ["lora_policy"]
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
 class RegionInputGrad(nn.Module):
     """Divides the input gradient by tp when the input is in the tensor-parallel region.
 
@@ -58,10 +47,11 @@ class RegionInputGrad(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``; its gradient divided by tp when a region hook all-reduces it afterwards."""
+        from colossal.shardformer.layer import scale_grad
         from colossal.shardformer.layer._primitives import is_in_tp_region
 
         if is_in_tp_region(x, self.group):
-            return _ScaleGrad.apply(x, 1.0 / self.tp_size)
+            return scale_grad(x, 1.0 / self.tp_size)
         return x
 
 

@@ -8,6 +8,7 @@ Layering (nanotron's): :mod:`._primitives` (autograd Functions that communicate 
 from colossal.shardformer.layer._primitives import (
     copy_to_tp_region,
     gather_from_tp_region,
+    is_in_tp_region,
     reduce_from_tp_region,
     scale_grad,
     split_to_tp_region,
@@ -46,6 +47,7 @@ __all__ = [
     "cross_entropy_1d",
     "enter_tp_region",
     "gather_from_tp_region",
+    "is_in_tp_region",
     "padded_vocab_size",
     "reduce_from_tp_region",
     "scale_grad",

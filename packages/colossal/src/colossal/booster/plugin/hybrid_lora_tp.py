@@ -47,8 +47,7 @@ class RegionInputGrad(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``; its gradient divided by tp when a region hook all-reduces it afterwards."""
-        from colossal.shardformer.layer import scale_grad
-        from colossal.shardformer.layer._primitives import is_in_tp_region
+        from colossal.shardformer.layer import is_in_tp_region, scale_grad
 
         if is_in_tp_region(x, self.group):
             return scale_grad(x, 1.0 / self.tp_size)

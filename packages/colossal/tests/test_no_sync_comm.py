@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from colossal.core.comm import CommTracker
+from colossal.core.comm import CommTracker, shm
 from colossal.core.testing import distributed_test
 
 
@@ -50,9 +50,11 @@ def test_zero1_no_sync_sends_nothing(rank: int, world_size: int) -> None:
     assert (accumulating.calls(), accumulating.bytes()) == (0, 0), accumulating.table()
     with CommTracker() as synced:
         _synced(model, optimizer, booster, rank, world_size)
-    # Stage 1: every (fp32) gradient is all-reduced once (each bucket padded to a multiple of
-    # the world size), nothing else is sent.
-    calls = synced.calls("all_reduce")
+    # Stage 1: every (fp32) gradient is reduced once (each bucket padded to a multiple of the
+    # world size; a reduce-scatter into this rank's slice through shared memory, else an
+    # all-reduce), nothing else is sent.
+    kind = "reduce_scatter" if shm.available(None, torch.empty(0)) else "all_reduce"
+    calls = synced.calls(kind)
     assert synced.calls() == calls > 0, synced.table()
     assert 4 * numel <= synced.bytes() <= 4 * (numel + world_size * calls), synced.table()
     optimizer.step()

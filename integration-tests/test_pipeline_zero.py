@@ -141,10 +141,13 @@ def test_pipeline_steps_zero1_like_one_process(
                 model, iter([local]), criterion, optimizer=zero, return_loss=True
             )
         if dp_size > 1:
-            # one all-reduce per bucket for the whole step (not one per microbatch), plus
-            # the gradient norm's scalar
-            calls = tracker.calls("all_reduce", group=dp_ranks)
-            assert calls == len(zero.buckets) + 1, f"{calls} all-reduces for {len(zero.buckets)}"
+            # one reduction per bucket for the whole step (not one per microbatch: an
+            # all-reduce on gloo, a reduce-scatter through shared memory), plus the gradient
+            # norm's scalar all-reduce
+            calls = tracker.calls("all_reduce", group=dp_ranks) + tracker.calls(
+                "reduce_scatter", group=dp_ranks
+            )
+            assert calls == len(zero.buckets) + 1, f"{calls} reductions for {len(zero.buckets)}"
         norms.append(zero.get_grad_norm())
         if holds_loss:
             loss = out["loss"].detach().float().reshape(1).clone()

@@ -1,11 +1,14 @@
 """Checkpoint save/load throughput of a Gemini model against the disk, for ``gemini.py``.
 
-Runs inside the spawned ranks after the timed steps. Three things alternate in rounds: the
-disk's write bandwidth (every rank writing its share with fsync, in parallel, as
-``benchmarks/checkpoint.py``), ``GeminiCheckpointIO``'s save (sharded, in place: every rank
-writes its own flat ranges) and load of the model and the optimizer, and the previous save
-path (streamed through per-chunk gathers to the rank writing each file). Each row is the
-median with min and max. Any failure becomes a row with the error instead of ending the run.
+Runs inside the spawned ranks after the timed steps. Two things alternate in paired rounds:
+the disk's write bandwidth (every rank writing its share with fsync, in parallel, as
+``benchmarks/checkpoint.py``) and ``GeminiCheckpointIO``'s save (sharded, in place: every rank
+writes its own flat ranges) and load of the model and the optimizer. Later rounds time a save
+over an existing checkpoint and the previous save path (streamed through per-chunk gathers to
+the rank writing each file): they write and delete twice the checkpoint's bytes, so they stay
+out of the paired rounds, where they would leave writeback and freed extents to whichever
+write came next. Each row is the median with min and max. Any failure becomes a row with the
+error instead of ending the run.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
         return {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
 
 
-ROUNDS = 5
+ROUNDS = 7
+EXTRA_ROUNDS = 3
 
 
 def _probe(rank: int, world: int, root: str, nbytes: int) -> float:
@@ -78,14 +82,16 @@ def checkpoint_rows(
     """Rows: disk write bandwidth, then Gemini save and load (model + optimizer) throughput.
 
     ``root`` is a directory every rank sees; it is emptied afterwards. The bytes counted for
-    the Gemini rows are those the save wrote (read back from the directory). The disk write,
-    our save and load, and the previous save path alternate in ``rounds`` rounds (the first
-    writer of a run would otherwise pay for the others' page-cache state); each row is the
+    the Gemini rows are those the save wrote (read back from the directory). First ``rounds``
+    paired rounds: the disk write and our save (then its load) alternate which goes first
+    (the first writer would otherwise pay for the other's page-cache and writeback state);
+    nothing else runs in these rounds, so each pair meets the same disk. Each row is the
     median, with min and max; the save and load rows also carry the median over rounds of
     the probe's time over theirs in the same round (``*_vs_disk_paired``). Like the disk
     probe (which writes a new file and deletes it untimed), each round saves into a new
-    directory, deleted untimed; a separate row saves over the round's checkpoint, which also
-    deletes the replaced files inside the save.
+    directory, deleted untimed. Then :data:`EXTRA_ROUNDS` rounds time the informational rows:
+    a save over the round's checkpoint (which also deletes the replaced files inside the
+    save) and the previous save path.
     """
     from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 
@@ -94,39 +100,49 @@ def checkpoint_rows(
     saved: dict[str, Any] = {}
     streamed: dict[str, Any] = {}
     nbytes = 0
-    for i in range(max(rounds, 1)):
-        here = os.path.join(root, f"round{i}")
-        model_dir, optim_dir = os.path.join(here, "model"), os.path.join(here, "optim")
 
-        def save(model_dir: str = model_dir, optim_dir: str = optim_dir) -> None:
-            io.save_model(model, model_dir, shard=True)
-            io.save_optimizer(optim, optim_dir, shard=True)
+    def save(here: str) -> None:
+        io.save_model(model, os.path.join(here, "model"), shard=True)
+        io.save_optimizer(optim, os.path.join(here, "optim"), shard=True)
 
-        if i % 2:  # alternate which of the two writes first (page-cache and writeback state)
-            times["disk"].append(_probe(rank, world, root, nbytes or 3 * 4 * psi))
-        if "status" not in saved:
-            try:
-                times["save"].append(_timed(save))
-                nbytes = _dir_bytes(model_dir) + _dir_bytes(optim_dir)
-                times["load"].append(_timed(
-                    lambda model_dir=model_dir, optim_dir=optim_dir: (
-                        io.load_model(model, model_dir), io.load_optimizer(optim, optim_dir)
-                    )
-                ))
-                times["over"].append(_timed(save))
-            except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
-                logger.warning("gemini checkpoint failed: %r", exc)
-                saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
-        if "status" not in streamed:
-            streamed = _streamed_save(model, optim, os.path.join(here, "streamed"), nbytes)
-            if "save_s" in streamed:
-                times["streamed"].append(streamed.pop("save_s"))
+    def load(here: str) -> None:
+        io.load_model(model, os.path.join(here, "model"))
+        io.load_optimizer(optim, os.path.join(here, "optim"))
+
+    def clear(here: str) -> None:
         if dist.is_initialized():
             dist.barrier()
         if rank == 0:
             shutil.rmtree(here, ignore_errors=True)
+
+    for i in range(max(rounds, 1)):
+        here = os.path.join(root, f"round{i}")
+        if i % 2:  # alternate which of the two writes first (page-cache and writeback state)
+            times["disk"].append(_probe(rank, world, root, nbytes or 3 * 4 * psi))
+        if "status" not in saved:
+            try:
+                times["save"].append(_timed(lambda here=here: save(here)))
+                nbytes = _dir_bytes(os.path.join(here, "model")) + _dir_bytes(
+                    os.path.join(here, "optim"))
+                times["load"].append(_timed(lambda here=here: load(here)))
+            except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
+                logger.warning("gemini checkpoint failed: %r", exc)
+                saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
+        clear(here)
         if not i % 2:
             times["disk"].append(_probe(rank, world, root, nbytes or 3 * 4 * psi))
+    for i in range(EXTRA_ROUNDS if "status" not in saved else 0):
+        here = os.path.join(root, f"extra{i}")
+        try:
+            save(here)
+            times["over"].append(_timed(lambda here=here: save(here)))
+        except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
+            logger.warning("gemini checkpoint over the previous one failed: %r", exc)
+        if "status" not in streamed:
+            streamed = _streamed_save(model, optim, os.path.join(here, "streamed"), nbytes)
+            if "save_s" in streamed:
+                times["streamed"].append(streamed.pop("save_s"))
+        clear(here)
     probe = nbytes or 3 * 4 * psi
     gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [

@@ -68,25 +68,21 @@ def test_combined_pieces_give_the_file_crc_in_any_order() -> None:
 
 
 # ---- tiling (catches: a rank's part silently missing, two ranks writing the same bytes) --------
-def test_background_checksums_of_pieces_equal_the_written_bytes(
-    tmp_path: Any, monkeypatch: Any
-) -> None:
-    """Parts written in several pieces (checksummed on the background thread, out of step
-    with the writes) combine to the CRC-32 of the bytes on disk; a wrong piece length or
-    order in the combination would not."""
+def test_checksums_of_pieces_equal_the_written_bytes(tmp_path: Any, monkeypatch: Any) -> None:
+    """Parts written in several pieces (each checksummed as it is written) combine to the
+    CRC-32 of the bytes on disk; a wrong piece length or order in the combination would
+    not."""
     monkeypatch.setattr(inplace, "PIECE_BYTES", 40)  # 10 fp32 elements per piece
     path = str(tmp_path / "parts.bin")
     with open(path, "wb") as file:
         file.truncate(4 * 97 + 4 * 31 + 5)
     parts = [(0, torch.randn(97)), (4 * 97, torch.randn(31)), (4 * 128, torch.arange(1.0, 2.0))]
     fd = os.open(path, os.O_WRONLY)
-    checksums = inplace._Checksums(depth=2)
     try:
-        written = [("f", offset, t.numel() * 4, inplace._write_part(fd, t, offset, checksums))
+        written = [("f", offset, t.numel() * 4, inplace._write_part(fd, t, offset))
                    for offset, t in parts]
     finally:
         os.close(fd)
-        checksums.close()
     assert [len(crcs) for *_, crcs in written] == [10, 4, 1]
     pieces = inplace._coalesce(written)
     with open(path, "rb") as file:
@@ -145,9 +141,9 @@ def _save_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
 
     written: list[int] = []
     original_write, original_gatherer = inplace._write_part, ChunkGatherer.buffer
-    inplace._write_part = lambda fd, data, offset, crcs: (  # type: ignore[assignment]
+    inplace._write_part = lambda fd, data, offset: (  # type: ignore[assignment]
         written.append(data.numel() * data.element_size())
-        or original_write(fd, data, offset, crcs))
+        or original_write(fd, data, offset))
     ChunkGatherer.buffer = _NoGather.buffer  # type: ignore[method-assign]
     try:
         io = GeminiCheckpointIO()
@@ -159,10 +155,10 @@ def _save_both_ways(rank: int, world: int, root: str) -> dict[str, Any]:
         ChunkGatherer.buffer = original_gatherer  # type: ignore[method-assign]
 
     # A rank that fails mid-save: every rank raises, the committed checkpoint stays.
-    def broken(fd: int, data: torch.Tensor, offset: int, crcs: Any) -> Any:
+    def broken(fd: int, data: torch.Tensor, offset: int) -> Any:
         if rank == 1:
             raise OSError("disk full (injected)")
-        return original_write(fd, data, offset, crcs)
+        return original_write(fd, data, offset)
 
     inplace._write_part = broken  # type: ignore[assignment]
     try:

@@ -41,6 +41,7 @@ from colossal.core import (
     shard_spec,
     sharded_view,
 )
+from colossal.core.io import adopt_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,8 @@ class CheckpointIO:
         state = named_to_indexed(meta, reader.weight_map, names, read, keep=self.keep_states)
         if not isinstance(optimizer, OptimizerWrapper) or not hasattr(optimizer, "scaler"):
             state.pop("loss_scaler", None)
-        optimizer.load_state_dict(state)
+        # Read tensors may be views of the file's memory map: give the optimizer its own.
+        optimizer.load_state_dict(adopt_optimizer_state(optimizer, state))
 
     # ---- model -----------------------------------------------------------------------------
     def save_model(

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from colossal.core.io._buffers import ALIGNMENT, empty_aligned, tensor_memoryview
+from colossal.core.io.adopt import adopt_optimizer_state, adopt_tensors
 from colossal.core.io.handle import AsyncHandle, ReadHandle, WriteHandle
 from colossal.core.io.reader import (
     AsyncTensorReader,
@@ -42,6 +43,8 @@ __all__ = [
     "TensorFileIO",
     "TensorInfo",
     "WriteHandle",
+    "adopt_optimizer_state",
+    "adopt_tensors",
     "direct_io_supported",
     "empty_aligned",
     "load_safetensors",

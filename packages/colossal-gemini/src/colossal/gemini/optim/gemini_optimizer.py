@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from colossal.core import DynamicGradScaler, OptimizerWrapper, get_accelerator, keep_alive
+from colossal.core.io import adopt_optimizer_state
 from colossal.core.precision import Precision, ScalerConfig, parse_precision, scaler_config_from
 from colossal.gemini.optim.grad_stats import (
     GradStats,
@@ -445,7 +446,10 @@ class GeminiOptimizer(OptimizerWrapper):
                     f"holds {ranges[name]}; load at the world size and chunk size it was "
                     "saved with")
             inner_state[index[name]] = {k: x for k, x in s.items() if k != "range"}
-        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        # Loaded tensors may be views of the checkpoint file's memory map: copy them into
+        # this optimizer's own state tensors (colossal.core.io.adopt).
+        self.optim.load_state_dict(adopt_optimizer_state(
+            self.optim, {"state": inner_state, "param_groups": inner_groups}))
         scaler_state = state_dict.get("loss_scaler")
         if self.scaler is not None and scaler_state is not None:
             self.scaler.load_state_dict(scaler_state)

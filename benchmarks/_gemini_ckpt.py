@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
+from checkpoint import disk_write
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +70,9 @@ def _probe(rank: int, world: int, here: str, nbytes: int) -> float:
     ``nbytes`` is the save's size once known, else the model states' (when the save failed).
     The file stays in ``here`` until the round is cleared, as the save's files do.
     """
-    data = torch.ones(max(nbytes // world, 1 << 20) // 4).view(torch.uint8).numpy()
     os.makedirs(here, exist_ok=True)
-
-    def write() -> None:
-        with open(os.path.join(here, f"disk{rank}.bin"), "wb", buffering=0) as file:
-            for i in range(0, len(data), PROBE_PIECE):
-                file.write(memoryview(data[i : i + PROBE_PIECE]))
-            os.fsync(file.fileno())
-
-    return _timed(write)
-
-
-PROBE_PIECE = 64 * 1024 * 1024  # as benchmarks/checkpoint.py's disk_write
+    return disk_write(os.path.join(here, f"disk{rank}.bin"), max(nbytes // world, 1 << 20),
+                      keep=True)
 
 
 def _median(values: list[float]) -> float:

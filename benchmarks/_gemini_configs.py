@@ -161,15 +161,12 @@ def _auto(config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor, rese
     completes without evicting (its peak can stay below ``P``) sets the next limit to its
     own peak, up to :data:`TIGHTEN_TRIES` times.
     """
-    from colossal.gemini import DeviceMemoryExceeded
-
     probe = _gemini(config, cfg, chunk_size, None)
     probe.step(data)
     limit = probe.module.budget.peak("device")
     del probe
     for _ in range(TIGHTEN_TRIES):
-        run, share = _fitting_auto(config, cfg, chunk_size, data, reserve, limit,
-                                   DeviceMemoryExceeded)
+        run, share = _fitting_auto(config, cfg, chunk_size, data, reserve, limit)
         if _agreed_max(gemini_facts(run)["shards_on_host"]) > 0:
             run.info["auto_reserve"] = share
             return run
@@ -193,16 +190,17 @@ def _agreed_max(value: float) -> float:
 
 
 def _fitting_auto(
-    config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor, reserve: float,
-    limit: int, exceeded: type[Exception],
+    config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor, reserve: float, limit: int
 ) -> tuple[Run, float]:
     """The first auto run (and its reserve share) whose first step fits under ``limit``."""
+    from colossal.gemini import DeviceMemoryExceeded
+
     for share in (reserve, reserve / 2, reserve / 4, 0.0):
         run = _gemini(config, cfg, chunk_size, limit, share)
         try:
             run.step(data)
             failed = 0.0
-        except exceeded as exc:
+        except DeviceMemoryExceeded as exc:
             logger.info("auto under %d B with reserve %.3f: %s", limit, share, exc)
             failed = 1.0
         if not _agreed_max(failed):

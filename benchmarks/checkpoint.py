@@ -56,8 +56,11 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def disk_write(path: str, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` from memory to ``path`` with fsync (this rank)."""
+def disk_write(path: str, nbytes: int, keep: bool = False) -> float:
+    """Seconds to write ``nbytes`` from memory to ``path`` with fsync (this rank).
+
+    The file is deleted afterwards (untimed) unless ``keep``.
+    """
     data = torch.ones(nbytes // 4, dtype=torch.float32).view(torch.uint8).numpy()
     chunk = 64 * 1024 * 1024
 
@@ -68,7 +71,8 @@ def disk_write(path: str, nbytes: int) -> float:
             os.fsync(fh.fileno())
 
     seconds = timed(write)
-    os.remove(path)
+    if not keep:
+        os.remove(path)
     return seconds
 
 

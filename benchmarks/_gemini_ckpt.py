@@ -3,12 +3,19 @@
 Runs inside the spawned ranks after the timed steps. Two things alternate in paired rounds:
 the disk's write bandwidth (every rank writing its share with fsync, in parallel, as
 ``benchmarks/checkpoint.py``) and ``GeminiCheckpointIO``'s save (sharded, in place: every rank
-writes its own flat ranges) and load of the model and the optimizer. Later rounds time a save
-over an existing checkpoint and the previous save path (streamed through per-chunk gathers to
-the rank writing each file): they write and delete twice the checkpoint's bytes, so they stay
-out of the paired rounds, where they would leave writeback and freed extents to whichever
-write came next. Each row is the median with min and max. Any failure becomes a row with the
-error instead of ending the run.
+writes its own flat ranges) and load of the model and the optimizer.
+
+Where a write lands decides its speed on these machines' virtual disks: 600 MB written at
+world 4 into blocks a deleted file has just freed took 0.24-0.29 s, into blocks never
+written before 0.80-1.07 s, whatever the writer (a plain ``write`` + ``fsync`` and our save
+alike, and still after 12 s of rest). A second write after the first one, both kept, lands on
+fresh blocks and loses 3x; paired rounds that ran back to back timed the block allocator,
+not the writer. So every measured write here starts alike: its directory is the same
+persistent one, the previous write's files were deleted and the deletion synced (untimed),
+and an untimed warm-up probe and save came first. Later rounds time a save over an existing
+checkpoint and the previous save path (streamed through per-chunk gathers to the rank writing
+each file). Each row is the median with min and max. Any failure becomes a row with the error
+instead of ending the run.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
         return {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
 
 
-ROUNDS = 7
+ROUNDS = 9
 EXTRA_ROUNDS = 3
 
 
@@ -68,11 +75,28 @@ def _probe(rank: int, world: int, here: str, nbytes: int) -> float:
     """Seconds for every rank to write its share of ``nbytes`` with fsync (the disk's speed).
 
     ``nbytes`` is the save's size once known, else the model states' (when the save failed).
-    The file stays in ``here`` until the round is cleared, as the save's files do.
+    The file stays in ``here`` until the next :func:`_clear`, as the save's files do.
     """
     os.makedirs(here, exist_ok=True)
     return disk_write(os.path.join(here, f"disk{rank}.bin"), max(nbytes // world, 1 << 20),
                       keep=True)
+
+
+def _clear(rank: int, here: str) -> None:
+    """Delete what ``here`` holds (keeping ``here``), then let the deletion settle (untimed).
+
+    The next write reuses the blocks freed here (see the module's docstring).
+    """
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(here):
+            entry = os.path.join(here, name)
+            if os.path.isdir(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                os.remove(entry)
+    os.sync()
+    dist.barrier()
 
 
 def _median(values: list[float]) -> float:
@@ -85,18 +109,16 @@ def checkpoint_rows(
     """Rows: disk write bandwidth, then Gemini save and load (model + optimizer) throughput.
 
     ``root`` is a directory every rank sees; it is emptied afterwards. The bytes counted for
-    the Gemini rows are those the save wrote (read back from the directory). First ``rounds``
-    paired rounds, each in a new directory: the disk write and our save follow each other
-    directly, alternating which goes first (the second write meets the first one's
-    writeback; measured at world 4, a save right after the probe took 0.42-0.53 s against
-    0.22-0.25 s first), then the load reads the save back; then the round's files are
-    deleted and the deletion settles (``os.sync``), untimed, so each round starts alike.
-    Nothing else runs in these rounds. Each row is the median, with min and max; the save
-    and load rows also carry the median over rounds of the probe's time over theirs in the
-    same round (``*_vs_disk_paired``) and, in ``--json``, the per-round times
-    (``rounds_s``). Then :data:`EXTRA_ROUNDS` rounds time the informational rows: a save
-    over the round's checkpoint (which also deletes the replaced files inside the save) and
-    the previous save path.
+    the Gemini rows are those the save wrote (read back from the directory). An untimed
+    warm-up save and probe come first; then ``rounds`` paired rounds, the probe and our save
+    in alternating order, the load right after the save, each write's files deleted and the
+    deletion synced before the next write (so each write reuses freed blocks; see the
+    module's docstring). Each row is the median, with min and max; the save and load rows
+    also carry the median over rounds of the probe's time over theirs in the same round
+    (``*_vs_disk_paired``) and, in ``--json``, the per-round times (``rounds_s``). Then
+    :data:`EXTRA_ROUNDS` rounds time the informational rows: a save over an existing
+    checkpoint (which also deletes the replaced files inside the save) and the previous save
+    path.
     """
     from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 
@@ -104,61 +126,64 @@ def checkpoint_rows(
     times: dict[str, list[float]] = {k: [] for k in ("disk", "save", "load", "over", "streamed")}
     saved: dict[str, Any] = {}
     streamed: dict[str, Any] = {}
+    here = os.path.join(root, "work")
+    os.makedirs(here, exist_ok=True)
     nbytes = 0
 
-    def save(here: str) -> None:
+    def save() -> None:
         io.save_model(model, os.path.join(here, "model"), shard=True)
         io.save_optimizer(optim, os.path.join(here, "optim"), shard=True)
 
-    def load(here: str) -> None:
+    def load() -> None:
         io.load_model(model, os.path.join(here, "model"))
         io.load_optimizer(optim, os.path.join(here, "optim"))
 
-    def clear(here: str) -> None:
-        """Delete the round's files, then let the deletion settle (untimed) on every rank."""
-        if dist.is_initialized():
-            dist.barrier()
-        if rank == 0:
-            shutil.rmtree(here, ignore_errors=True)
-        os.sync()  # commits the frees: the next write does not meet blocks still being freed
-        if dist.is_initialized():
-            dist.barrier()
-
-    for i in range(max(rounds, 1)):
-        here = os.path.join(root, f"round{i}")
-        # The two writes follow each other directly, in alternating order; the load comes
-        # after both (a pause between them would let the disk catch up for the second).
-        if i % 2:
-            times["disk"].append(_probe(rank, world, here, nbytes or 3 * 4 * psi))
-        if "status" not in saved:
-            try:
-                times["save"].append(_timed(lambda here=here: save(here)))
-                nbytes = _dir_bytes(os.path.join(here, "model")) + _dir_bytes(
-                    os.path.join(here, "optim"))
-            except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
-                logger.warning("gemini checkpoint failed: %r", exc)
-                saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
-        if not i % 2:
-            times["disk"].append(_probe(rank, world, here, nbytes or 3 * 4 * psi))
-        if "status" not in saved:
-            try:
-                times["load"].append(_timed(lambda here=here: load(here)))
-            except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
-                logger.warning("gemini checkpoint load failed: %r", exc)
-                saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
-        clear(here)
-    for i in range(EXTRA_ROUNDS if "status" not in saved else 0):
-        here = os.path.join(root, f"extra{i}")
+    def save_and_load(timed: bool) -> None:
+        """Our save, then the load of what it wrote; a failure ends both for the run."""
+        nonlocal nbytes, saved
         try:
-            save(here)
-            times["over"].append(_timed(lambda here=here: save(here)))
+            seconds = _timed(save)
+            nbytes = _dir_bytes(os.path.join(here, "model")) + _dir_bytes(
+                os.path.join(here, "optim"))
+            if timed:
+                times["save"].append(seconds)
+        except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
+            logger.warning("gemini checkpoint failed: %r", exc)
+            saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
+            return
+        try:
+            seconds = _timed(load)
+            if timed:
+                times["load"].append(seconds)
+        except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
+            logger.warning("gemini checkpoint load failed: %r", exc)
+            saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
+
+    def probe(timed: bool) -> None:
+        seconds = _probe(rank, world, here, nbytes or 3 * 4 * psi)
+        if timed:
+            times["disk"].append(seconds)
+
+    steps = [(save_and_load, False), (probe, False)]  # the warm-up
+    for i in range(max(rounds, 1)):
+        pair = [(save_and_load, True), (probe, True)]
+        steps += pair[::-1] if i % 2 else pair
+    for step, timed in steps:
+        if step is probe or "status" not in saved:
+            step(timed)
+        _clear(rank, here)
+    for _ in range(EXTRA_ROUNDS if "status" not in saved else 0):
+        try:
+            save()
+            times["over"].append(_timed(save))
         except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
             logger.warning("gemini checkpoint over the previous one failed: %r", exc)
+        _clear(rank, here)
         if "status" not in streamed:
             streamed = _streamed_save(model, optim, os.path.join(here, "streamed"), nbytes)
             if "save_s" in streamed:
                 times["streamed"].append(streamed.pop("save_s"))
-        clear(here)
+        _clear(rank, here)
     probe = nbytes or 3 * 4 * psi
     gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [

@@ -67,7 +67,7 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
         return {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
 
 
-ROUNDS = 9
+ROUNDS = 11
 EXTRA_ROUNDS = 3
 
 

@@ -102,6 +102,29 @@ def test_implementations_satisfy_the_protocol() -> None:
     assert torch.equal(LocalShard(full, Block.whole(SHAPE), SHAPE).gather(), full)
 
 
+def test_protocol_check_is_decided_per_type() -> None:
+    """isinstance against ShardedTensor is cached per type (a per-call member lookup cost
+    milliseconds per save): the cache must not turn a type's answer into another type's
+    (catches a cache keyed on something coarser than the type, or stored where typing counts
+    it as a member of the protocol, which makes every check False)."""
+
+    class Partial:  # shape, dtype, part, local but no gather: not a ShardedTensor
+        shape, dtype, part = torch.Size(SHAPE), torch.float32, FlatRange(0, 1)
+
+        def local(self) -> torch.Tensor:
+            return torch.zeros(1)
+
+    class Whole(Partial):
+        def gather(self, dst: int | None = None) -> torch.Tensor:
+            return torch.zeros(SHAPE)
+
+    for _ in range(2):  # the first check fills the cache, the second reads it
+        assert not isinstance(Partial(), ShardedTensor)
+        assert isinstance(Whole(), ShardedTensor)
+        assert isinstance(Replicated(_full()), ShardedTensor)
+        assert not isinstance(_full(), ShardedTensor) and not isinstance(1.0, ShardedTensor)
+
+
 # ---- gather to a named rank (world 2) ---------------------------------------------------------
 def _shards(rank: int) -> dict[str, object]:
     full = _full()

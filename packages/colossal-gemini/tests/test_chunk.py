@@ -155,6 +155,7 @@ def _check_sharded(rank: int, world: int) -> None:
         info = chunk.infos[p]
         start, stop, view = chunk.tensor_shard(p)
         assert start == min(max(lo - info.offset, 0), o.numel())
+        assert chunk.shard_range(p) == (start, stop)  # the same range, without the view
         assert torch.equal(view, o.reshape(-1)[start:stop].half())
     assert budget.used("device") == n * 6
 

@@ -90,6 +90,26 @@ def test_checksums_of_pieces_equal_the_written_bytes(tmp_path: Any, monkeypatch:
     assert pieces == [Piece("f", 0, 4 * 129, zlib.crc32(data[: 4 * 129]))]
 
 
+def test_only_long_pieces_start_their_writeback(tmp_path: Any, monkeypatch: Any) -> None:
+    """A piece of at least WRITEBACK_MIN_BYTES starts its writeback when written; a short one
+    (a step count next to others in one page) is left to fsync (catches either rule lost)."""
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(inplace.durable, "start_writeback",
+                        lambda fd, offset, length: started.append((offset, length)))
+    monkeypatch.setattr(inplace, "PIECE_BYTES", 400)  # 100 fp32 elements per piece
+    monkeypatch.setattr(inplace, "WRITEBACK_MIN_BYTES", 200)
+    path = str(tmp_path / "parts.bin")
+    with open(path, "wb") as file:
+        file.truncate(4 * 250 + 4)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        inplace._write_part(fd, torch.randn(250), 0)  # pieces of 400, 400, 200 bytes
+        inplace._write_part(fd, torch.randn(1), 1000)  # 4 bytes
+    finally:
+        os.close(fd)
+    assert started == [(0, 400), (400, 400), (800, 200)]
+
+
 def test_tiling_check_names_the_file_and_the_gap() -> None:
     whole = [Piece("a", 0, 10, 0), Piece("a", 10, 5, 0), Piece("b", 0, 4, 0)]
     check_tiling(whole, {"a": 15, "b": 4})

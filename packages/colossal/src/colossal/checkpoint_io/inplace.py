@@ -66,6 +66,9 @@ __all__ = [
 
 PIECE_BYTES = 8 * 1024 * 1024
 """A device tensor's part is copied to the CPU and written this many bytes at a time."""
+WRITEBACK_MIN_BYTES = 1024 * 1024
+"""Pieces at least this long start their writeback when written; shorter ones (a step count,
+a bias) are left to the final ``fsync``, as neighbours in one page would each write it."""
 
 # ---- layout ---------------------------------------------------------------------------------
 def stream_order(tensors: Mapping[str, Any], names: Sequence[str]) -> list[str]:
@@ -183,10 +186,10 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 def _write_part(fd: int, data: torch.Tensor, offset: int) -> list[tuple[int, int]]:
     """Write ``data`` (1-D) at ``offset`` in pieces of at most :data:`PIECE_BYTES`.
 
-    Each piece's writeback starts at once and its CRC-32 is computed here, between the writes
-    (zlib-ng: ~25 GB/s, a few ms per rank and save; a checksum thread cost more in hand-offs
-    than it saved, 10-40 ms per rank and save at world 4 on 2 cores). Returns each piece's
-    byte length and CRC-32, in order.
+    Each long piece's writeback starts at once (see :data:`WRITEBACK_MIN_BYTES`) and each
+    piece's CRC-32 is computed here, between the writes (zlib-ng: ~25 GB/s, a few ms per rank
+    and save; a checksum thread cost more in hand-offs than it saved, 10-40 ms per rank and
+    save at world 4 on 2 cores). Returns each piece's byte length and CRC-32, in order.
     """
     crcs, step = [], max(1, PIECE_BYTES // max(1, data.element_size()))
     for begin in range(0, data.numel(), step):
@@ -195,7 +198,8 @@ def _write_part(fd: int, data: torch.Tensor, offset: int) -> list[tuple[int, int
             piece = piece.to("cpu").contiguous()
         view = tensor_memoryview(piece)
         _pwrite_all(fd, view, offset)
-        durable.start_writeback(fd, offset, len(view))
+        if len(view) >= WRITEBACK_MIN_BYTES:
+            durable.start_writeback(fd, offset, len(view))
         offset += len(view)
         crcs.append((len(view), crc32(view)))
         del view

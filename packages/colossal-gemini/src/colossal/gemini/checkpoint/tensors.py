@@ -58,8 +58,7 @@ class ChunkTensor:
         self.info = chunk.infos[param]
         self.gatherer = gatherer if gatherer is not None else ChunkGatherer()
         self.position = position
-        start, stop, _ = chunk.tensor_shard(param, source="master")
-        self._part = FlatRange(start, stop)
+        self._part = FlatRange(*chunk.shard_range(param))
 
     @property
     def shape(self) -> torch.Size:
@@ -112,8 +111,9 @@ class ChunkStateTensor(ChunkTensor):
         param: The parameter.
         state: The state's name (``"exp_avg"``, ...).
         dtype: The state's dtype (the same on every rank).
-        pieces: This rank's pieces of ``state`` in the chunk: ``(offset in the shard,
-            values)`` of every parameter it holds a piece of (shared by the chunk's tensors).
+        pieces: This rank's pieces of ``state`` in the chunk: ``{(offset in the shard,
+            length): values}`` of every parameter it holds a piece of (shared by the chunk's
+            tensors).
         gatherer: Shared by the tensors of one save.
         position: The chunk's index in its manager.
     """
@@ -124,7 +124,7 @@ class ChunkStateTensor(ChunkTensor):
         param: nn.Parameter,
         state: str,
         dtype: torch.dtype,
-        pieces: list[tuple[int, torch.Tensor]],
+        pieces: dict[tuple[int, int], torch.Tensor],
         gatherer: ChunkGatherer | None = None,
         position: int = 0,
     ) -> None:
@@ -139,14 +139,12 @@ class ChunkStateTensor(ChunkTensor):
     def local(self) -> torch.Tensor:
         """This rank's elements of the state (empty when it holds none of the parameter)."""
         at = self.info.offset + self._part.start - self.chunk.shard_begin
-        for offset, values in self._pieces:
-            if offset == at and values.numel() == self._part.numel:
-                return values
-        return torch.empty(0, dtype=self._dtype)
+        values = self._pieces.get((at, self._part.numel))
+        return values if values is not None else torch.empty(0, dtype=self._dtype)
 
     def _flat_shard(self) -> torch.Tensor:
         flat = torch.zeros(self.chunk.shard_size, dtype=self._dtype)
-        for offset, values in self._pieces:
+        for (offset, _), values in self._pieces.items():
             flat[offset : offset + values.numel()].copy_(values.reshape(-1))
         return flat
 
@@ -171,7 +169,7 @@ def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str
 def _summary(optimizer: Any) -> tuple[dict[str, dict[str, tuple]], dict[tuple[int, str], list]]:
     """This rank's state kinds by parameter name, and its elementwise pieces per chunk."""
     kinds: dict[str, dict[str, tuple]] = {}
-    pieces: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}
+    pieces: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}
     for v in optimizer.master_views:
         chunk, info = v.chunk, v.chunk.infos[v.param]
         entry: dict[str, tuple] = {}
@@ -179,7 +177,7 @@ def _summary(optimizer: Any) -> tuple[dict[str, dict[str, tuple]], dict[tuple[in
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == v.numel:
                 entry[key] = ("elementwise", str(value.dtype).removeprefix("torch."))
                 at = info.offset + v.start - chunk.shard_begin
-                pieces.setdefault((id(chunk), key), []).append((at, value.detach()))
+                pieces.setdefault((id(chunk), key), {})[at, v.numel] = value.detach()
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
                 entry[key] = ("tensor", str(value.dtype).removeprefix("torch."), value.item())
             else:
@@ -220,7 +218,7 @@ def optimizer_shards(
             entry = {}
             for key, kind in sorted(kinds.get(name, {}).items()):
                 if kind[0] == "elementwise":
-                    shared = pieces.setdefault((id(chunk), key), [])
+                    shared = pieces.setdefault((id(chunk), key), {})
                     entry[key] = ChunkStateTensor(chunk, p, key, getattr(torch, kind[1]), shared,
                                                   gatherer, position)
                 elif kind[0] == "tensor":

@@ -267,10 +267,22 @@ class ChunkBase:
                            f"(shape {tuple(param.shape)})")
         return info
 
-    def _range(self, param: nn.Parameter, flat: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    def shard_range(self, param: nn.Parameter) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of the flattened ``param`` this rank's shard holds.
+
+        ``start == stop`` when it holds none of them. As :meth:`tensor_shard` without a view.
+
+        Raises:
+            KeyError: ``param`` is not in this chunk.
+            RuntimeError: The chunk is not closed yet.
+        """
+        self._require_closed("shard_range()")
         info = self._info(param)
         lo, hi = self.shard_begin, self.shard_end
         start = min(max(lo, info.offset), info.end) - info.offset
-        stop = max(start, min(hi, info.end) - info.offset)
-        first = info.offset + start - lo
+        return start, max(start, min(hi, info.end) - info.offset)
+
+    def _range(self, param: nn.Parameter, flat: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        start, stop = self.shard_range(param)
+        first = self._info(param).offset + start - self.shard_begin
         return start, stop, flat[first : first + stop - start]

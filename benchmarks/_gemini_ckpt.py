@@ -68,6 +68,7 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
 
 
 ROUNDS = 11
+WARMUP_ROUNDS = 2
 EXTRA_ROUNDS = 3
 
 
@@ -164,7 +165,7 @@ def checkpoint_rows(
         if timed:
             times["disk"].append(seconds)
 
-    steps = [(save_and_load, False), (probe, False)]  # the warm-up
+    steps = [(save_and_load, False), (probe, False)] * WARMUP_ROUNDS
     for i in range(max(rounds, 1)):
         pair = [(save_and_load, True), (probe, True)]
         steps += pair[::-1] if i % 2 else pair

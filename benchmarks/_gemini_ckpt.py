@@ -12,10 +12,10 @@ alike, and still after 12 s of rest). A second write after the first one, both k
 fresh blocks and loses 3x; paired rounds that ran back to back timed the block allocator,
 not the writer. So every measured write here starts alike: its directory is the same
 persistent one, the previous write's files were deleted and the deletion synced (untimed),
-and an untimed warm-up probe and save came first. Later rounds time a save over an existing
-checkpoint and the previous save path (streamed through per-chunk gathers to the rank writing
-each file). Each row is the median with min and max. Any failure becomes a row with the error
-instead of ending the run.
+and :data:`WARMUP_ROUNDS` untimed rounds of both came first. Later rounds time a save over
+an existing checkpoint and the previous save path (streamed through per-chunk gathers to the
+rank writing each file). Each row is the median with min and max. Any failure becomes a row
+with the error instead of ending the run.
 """
 
 from __future__ import annotations
@@ -110,16 +110,16 @@ def checkpoint_rows(
     """Rows: disk write bandwidth, then Gemini save and load (model + optimizer) throughput.
 
     ``root`` is a directory every rank sees; it is emptied afterwards. The bytes counted for
-    the Gemini rows are those the save wrote (read back from the directory). An untimed
-    warm-up save and probe come first; then ``rounds`` paired rounds, the probe and our save
-    in alternating order, the load right after the save, each write's files deleted and the
-    deletion synced before the next write (so each write reuses freed blocks; see the
-    module's docstring). Each row is the median, with min and max; the save and load rows
-    also carry the median over rounds of the probe's time over theirs in the same round
-    (``*_vs_disk_paired``) and, in ``--json``, the per-round times (``rounds_s``). Then
-    :data:`EXTRA_ROUNDS` rounds time the informational rows: a save over an existing
-    checkpoint (which also deletes the replaced files inside the save) and the previous save
-    path.
+    the Gemini rows are those the save wrote (read back from the directory). Untimed
+    warm-up rounds (:data:`WARMUP_ROUNDS`) come first; then ``rounds`` paired rounds, the
+    probe and our save in alternating order, the load right after the save, each write's
+    files deleted and the deletion synced before the next write (so each write reuses freed
+    blocks; see the module's docstring). Each row is the median, with min and max; the save
+    and load rows also carry the median over rounds of the probe's time over theirs in the
+    same round (``*_vs_disk_paired``) and, in ``--json``, the per-round times
+    (``rounds_s``). Then :data:`EXTRA_ROUNDS` rounds time the informational rows: a save
+    over an existing checkpoint (which also deletes the replaced files inside the save) and
+    the previous save path.
     """
     from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from checkpoint import disk_write
+from checkpoint import clear_directory, disk_write, evict_from_cache
 
 logger = logging.getLogger(__name__)
 
@@ -76,28 +75,12 @@ def _probe(rank: int, world: int, here: str, nbytes: int) -> float:
     """Seconds for every rank to write its share of ``nbytes`` with fsync (the disk's speed).
 
     ``nbytes`` is the save's size once known, else the model states' (when the save failed).
-    The file stays in ``here`` until the next :func:`_clear`, as the save's files do.
+    The file stays in ``here`` until it is cleared (``checkpoint.clear_directory``), as the
+    save's files do.
     """
     os.makedirs(here, exist_ok=True)
     return disk_write(os.path.join(here, f"disk{rank}.bin"), max(nbytes // world, 1 << 20),
                       keep=True)
-
-
-def _clear(rank: int, here: str) -> None:
-    """Delete what ``here`` holds (keeping ``here``), then let the deletion settle (untimed).
-
-    The next write reuses the blocks freed here (see the module's docstring).
-    """
-    dist.barrier()
-    if rank == 0:
-        for name in os.listdir(here):
-            entry = os.path.join(here, name)
-            if os.path.isdir(entry):
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                os.remove(entry)
-    os.sync()
-    dist.barrier()
 
 
 def _median(values: list[float]) -> float:
@@ -112,7 +95,8 @@ def checkpoint_rows(
     ``root`` is a directory every rank sees; it is emptied afterwards. The bytes counted for
     the Gemini rows are those the save wrote (read back from the directory). Untimed
     warm-up rounds (:data:`WARMUP_ROUNDS`) come first; then ``rounds`` paired rounds, the
-    probe and our save in alternating order, the load right after the save, each write's
+    probe and our save in alternating order, the load right after the save (from the disk:
+    the files are dropped from the page cache first), each write's
     files deleted and the deletion synced before the next write (so each write reuses freed
     blocks; see the module's docstring). Each row is the median, with min and max; the save
     and load rows also carry the median over rounds of the probe's time over theirs in the
@@ -152,6 +136,7 @@ def checkpoint_rows(
             logger.warning("gemini checkpoint failed: %r", exc)
             saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
             return
+        evict_from_cache(rank, here)  # the load reads the disk, as after a restart
         try:
             seconds = _timed(load)
             if timed:
@@ -172,19 +157,19 @@ def checkpoint_rows(
     for step, timed in steps:
         if step is probe or "status" not in saved:
             step(timed)
-        _clear(rank, here)
+        clear_directory(rank, here)
     for _ in range(EXTRA_ROUNDS if "status" not in saved else 0):
         try:
             save()
             times["over"].append(_timed(save))
         except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
             logger.warning("gemini checkpoint over the previous one failed: %r", exc)
-        _clear(rank, here)
+        clear_directory(rank, here)
         if "status" not in streamed:
             streamed = _streamed_save(model, optim, os.path.join(here, "streamed"), nbytes)
             if "save_s" in streamed:
                 times["streamed"].append(streamed.pop("save_s"))
-        _clear(rank, here)
+        clear_directory(rank, here)
     probe = nbytes or 3 * 4 * psi
     gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [

@@ -22,23 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-from checkpoint import clear_directory, disk_write, evict_from_cache
+from bench_common import paired_median, spread
+from checkpoint import clear_directory, disk_write, evict_from_cache, timed
 
 logger = logging.getLogger(__name__)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _dir_bytes(path: str) -> int:
@@ -54,7 +43,7 @@ def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, 
 
         io = GeminiCheckpointIO()
         io._in_place = lambda manager: False  # type: ignore[method-assign]
-        seconds = _timed(
+        seconds = timed(
             lambda: (
                 io.save_model(model, os.path.join(root, "model"), shard=True),
                 io.save_optimizer(optim, os.path.join(root, "optim"), shard=True),
@@ -81,10 +70,6 @@ def _probe(rank: int, world: int, here: str, nbytes: int) -> float:
     os.makedirs(here, exist_ok=True)
     return disk_write(os.path.join(here, f"disk{rank}.bin"), max(nbytes // world, 1 << 20),
                       keep=True)
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def checkpoint_rows(
@@ -123,14 +108,14 @@ def checkpoint_rows(
         io.load_model(model, os.path.join(here, "model"))
         io.load_optimizer(optim, os.path.join(here, "optim"))
 
-    def save_and_load(timed: bool) -> None:
+    def save_and_load(counted: bool) -> None:
         """Our save, then the load of what it wrote; a failure ends both for the run."""
         nonlocal nbytes, saved
         try:
-            seconds = _timed(save)
+            seconds = timed(save)
             nbytes = _dir_bytes(os.path.join(here, "model")) + _dir_bytes(
                 os.path.join(here, "optim"))
-            if timed:
+            if counted:
                 times["save"].append(seconds)
         except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
             logger.warning("gemini checkpoint failed: %r", exc)
@@ -138,30 +123,30 @@ def checkpoint_rows(
             return
         evict_from_cache(rank, here)  # the load reads the disk, as after a restart
         try:
-            seconds = _timed(load)
-            if timed:
+            seconds = timed(load)
+            if counted:
                 times["load"].append(seconds)
         except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
             logger.warning("gemini checkpoint load failed: %r", exc)
             saved = {"status": f"failed: {type(exc).__name__}: {str(exc)[:120]}"}
 
-    def probe(timed: bool) -> None:
+    def probe(counted: bool) -> None:
         seconds = _probe(rank, world, here, nbytes or 3 * 4 * psi)
-        if timed:
+        if counted:
             times["disk"].append(seconds)
 
     steps = [(save_and_load, False), (probe, False)] * WARMUP_ROUNDS
     for i in range(max(rounds, 1)):
         pair = [(save_and_load, True), (probe, True)]
         steps += pair[::-1] if i % 2 else pair
-    for step, timed in steps:
+    for step, counted in steps:
         if step is probe or "status" not in saved:
-            step(timed)
+            step(counted)
         clear_directory(rank, here)
     for _ in range(EXTRA_ROUNDS if "status" not in saved else 0):
         try:
             save()
-            times["over"].append(_timed(save))
+            times["over"].append(timed(save))
         except Exception as exc:  # noqa: BLE001 - the section is reported, the run goes on
             logger.warning("gemini checkpoint over the previous one failed: %r", exc)
         clear_directory(rank, here)
@@ -174,20 +159,19 @@ def checkpoint_rows(
     gigabytes = nbytes / 1e9
     rows: list[dict[str, Any]] = [
         {"method": "disk write (fsync, all ranks)", "GB": probe / 1e9,
-         **_spread("save", times["disk"])},
+         **spread("save", times["disk"])},
         {"method": "gemini save+load (model, optimizer)", "GB": gigabytes, **saved,
-         **_spread("save", times["save"]), **_spread("load", times["load"])},
+         **spread("save", times["save"]), **spread("load", times["load"])},
         {"method": "gemini save over the previous checkpoint (deletes it)", "GB": gigabytes,
-         **saved, **_spread("save", times["over"])},
+         **saved, **spread("save", times["over"])},
         {"method": "gemini save streamed through gathers (previous path)", "GB": gigabytes,
-         **streamed, **_spread("save", times["streamed"])},
+         **streamed, **spread("save", times["streamed"])},
     ]
     # Paired: each round's probe against the same round's save and load (the disk's speed
     # drifts between rounds; a pair shares it).
     for kind in ("save", "load"):
-        pairs = [d / t for d, t in zip(times["disk"], times[kind], strict=False) if t]
-        if pairs and nbytes:
-            rows[1][f"{kind}_vs_disk_paired"] = _median(pairs)
+        if times[kind] and nbytes:
+            rows[1][f"{kind}_vs_disk_paired"] = paired_median(times["disk"], times[kind])
     rows[0]["rounds_s"] = times["disk"]  # per round, in order (kept in --json, not tabled)
     rows[1]["rounds_s"] = times["save"]
     for row in rows:
@@ -197,10 +181,3 @@ def checkpoint_rows(
             row["load_GB_s"] = row["GB"] / row["load_s"]
     return rows
 
-
-def _spread(kind: str, values: list[float]) -> dict[str, float]:
-    """``{kind}_s`` (median), ``{kind}_min_s`` and ``{kind}_max_s`` of ``values`` (if any)."""
-    if not values:
-        return {}
-    return {f"{kind}_s": _median(values), f"{kind}_min_s": min(values),
-            f"{kind}_max_s": max(values)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,21 @@ def machine() -> dict[str, Any]:
 def goal(name: str, value: float, target: str, met: bool) -> dict[str, Any]:
     """One goal line of the JSON output."""
     return {"name": name, "value": value, "target": target, "met": bool(met)}
+
+
+def spread(kind: str, values: Sequence[float]) -> dict[str, float]:
+    """``{kind}_s`` (median), ``{kind}_min_s`` and ``{kind}_max_s`` of ``values`` (if any)."""
+    if not values:
+        return {}
+    return {f"{kind}_s": statistics.median(values), f"{kind}_min_s": min(values),
+            f"{kind}_max_s": max(values)}
+
+
+def paired_median(base: Sequence[float], other: Sequence[float]) -> float:
+    """Median over rounds of ``base``'s time over ``other``'s in the same round (``other``'s
+    speed relative to ``base``'s; rounds missing from either are left out), NaN if none."""
+    pairs = [b / o for b, o in zip(base, other, strict=False) if o]
+    return statistics.median(pairs) if pairs else float("nan")
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from bench_common import goal, markdown_table, write_json
+from bench_common import goal, markdown_table, paired_median, spread, write_json
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -124,16 +123,6 @@ def evict_from_cache(rank: int, here: str) -> None:
     dist.barrier()
 
 
-def _spread(times: list[float], key: str) -> dict[str, float]:
-    return {key: statistics.median(times), f"{key[:-2]}_min_s": min(times),
-            f"{key[:-2]}_max_s": max(times)}
-
-
-def _paired(base: list[float], other: list[float]) -> float:
-    """Median over rounds of ``base``'s time over ``other``'s (``other``'s relative speed)."""
-    return statistics.median(b / o for b, o in zip(base, other, strict=True))
-
-
 def run(
     rank: int, world: int, layers: int, width: int, batch: int, root: str, rounds: int
 ) -> list[dict[str, Any]]:
@@ -193,11 +182,11 @@ def run(
                     times[key].append(seconds)
             clear_directory(rank, here)
     rows: list[dict[str, Any]] = [
-        {"method": "disk write (fsync, all ranks)", **_spread(times["disk"], "save_s")},
-        {"method": "colossal save (sync)", **_spread(times["ours"], "save_s"),
-         **_spread(times["ours_load"], "load_s"),
-         "vs_disk_paired": _paired(times["disk"], times["ours"]),
-         "vs_dcp_paired": _paired(times["dcp"], times["ours"])},
+        {"method": "disk write (fsync, all ranks)", **spread("save", times["disk"])},
+        {"method": "colossal save (sync)", **spread("save", times["ours"]),
+         **spread("load", times["ours_load"]),
+         "vs_disk_paired": paired_median(times["disk"], times["ours"]),
+         "vs_dcp_paired": paired_median(times["dcp"], times["ours"])},
     ]
     # 2. Async: save, then the next training step runs while the snapshot is taken; its
     # optimizer.step() must wait for the snapshot (the fence, timed here explicitly). The
@@ -231,8 +220,8 @@ def run(
         )
         clear_directory(rank, here)
     # 3. torch.distributed.checkpoint
-    rows.append({"method": "DCP save", **_spread(times["dcp"], "save_s"),
-                 **_spread(times["dcp_load"], "load_s")})
+    rows.append({"method": "DCP save", **spread("save", times["dcp"]),
+                 **spread("load", times["dcp_load"])})
     group = dist.new_group(backend="gloo")
     dist.barrier()
     t0 = time.perf_counter()

@@ -277,12 +277,15 @@ class ChunkBase:
             RuntimeError: The chunk is not closed yet.
         """
         self._require_closed("shard_range()")
-        info = self._info(param)
+        return self._span(self._info(param))
+
+    def _span(self, info: TensorInfo) -> tuple[int, int]:
         lo, hi = self.shard_begin, self.shard_end
         start = min(max(lo, info.offset), info.end) - info.offset
         return start, max(start, min(hi, info.end) - info.offset)
 
     def _range(self, param: nn.Parameter, flat: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-        start, stop = self.shard_range(param)
-        first = self._info(param).offset + start - self.shard_begin
+        info = self._info(param)
+        start, stop = self._span(info)
+        first = info.offset + start - self.shard_begin
         return start, stop, flat[first : first + stop - start]

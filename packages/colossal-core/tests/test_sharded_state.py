@@ -108,8 +108,9 @@ def test_protocol_check_is_decided_per_type() -> None:
     (catches a cache keyed on something coarser than the type, or stored where typing counts
     it as a member of the protocol, which makes every check False)."""
 
-    class Partial:  # shape, dtype, part, local but no gather: not a ShardedTensor
+    class Partial:  # shape, dtype, placements, part, local but no gather: not one
         shape, dtype, part = torch.Size(SHAPE), torch.float32, FlatRange(0, 1)
+        placements = ()
 
         def local(self) -> torch.Tensor:
             return torch.zeros(1)

@@ -28,16 +28,23 @@ from colossal.core.logging import (
 from colossal.core.mesh import ProcessGroupMesh
 from colossal.core.parallel_dims import ParallelDims
 from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
-from colossal.core.sharded_state import (
+from colossal.core.sharded import (
+    Absent,
     Block,
     Blocks,
     FlatRange,
     LocalPart,
     LocalShard,
+    Nested,
+    Owned,
+    Placed,
+    Placement,
+    Replicate,
     Replicated,
     ShardedTensor,
     ShardSpec,
     TensorBacked,
+    compose,
     mark_sharded,
     shard_parameter,
     shard_source,
@@ -46,6 +53,7 @@ from colossal.core.sharded_state import (
 )
 
 __all__ = [
+    "Absent",
     "BaseAccelerator",
     "Block",
     "Blocks",
@@ -58,10 +66,15 @@ __all__ = [
     "LocalPart",
     "LocalShard",
     "ModelWrapper",
+    "Nested",
+    "Owned",
     "OptimizerWrapper",
     "ParallelDims",
+    "Placed",
+    "Placement",
     "Precision",
     "ProcessGroupMesh",
+    "Replicate",
     "Replicated",
     "ScalerConfig",
     "ShardSpec",
@@ -69,6 +82,7 @@ __all__ = [
     "TensorBacked",
     "__version__",
     "clip_grad_norm_",
+    "compose",
     "disable_existing_loggers",
     "get_accelerator",
     "get_dist_logger",

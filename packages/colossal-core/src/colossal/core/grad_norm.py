@@ -1,41 +1,100 @@
-"""The global gradient norm of a model whose parameters may be sharded (tensor parallel).
+"""The one global gradient norm: each element of the logical model counts exactly once.
 
-Each gradient is seen through the sharded-state protocol: the gradient of a parameter marked
-with :func:`colossal.core.mark_sharded` is that parameter's part of a whole gradient, so it
-contributes only its real elements (padding excluded) and the parts of its group are summed;
-an unmarked (replicated) parameter's gradient is the same on every rank and counts once. The
-parameters are grouped by their process group, so there is one all-reduce per group, whatever
-the number of parameters.
+Every gradient is seen through its placements (:mod:`colossal.core.sharded`): a piece of a
+tensor split along an axis (tensor parallel block, ZeRO or Gemini flat range, expert slice)
+counts its real elements (padding never); a piece replicated along an axis counts on the
+axis' first rank only; a piece owned by one rank of an axis (a pipeline stage's parameter)
+counts there. So the shares of all ranks add up to the norm of the unsharded model, and one
+all-reduce of one scalar over the job (``group``) gives it to every rank, whatever the
+parameters and however many axes split them.
+
+ZeRO, Gemini, FSDP2, the hybrid plugin and the plain wrappers all compute their norm here:
+:func:`grad_norm` / :func:`clip_grad_norm_` for parameters whose ``.grad`` is laid out like
+the parameter, :func:`norm_share` + :func:`reduce_norm` for optimizers that keep gradient
+pieces of their own (each described once by a :class:`NormTerm`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from colossal.core.comm import all_reduce, group_ranks
-from colossal.core.sharded_state import shard_spec
+from colossal.core.comm import all_reduce
+from colossal.core.sharded import (
+    LocalPart,
+    Owned,
+    Placement,
+    Replicate,
+    ShardedTensor,
+    compose,
+    shard_spec,
+)
+from colossal.core.sharded.gather import axis_ranks, this_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = [
+    "NormTerm",
+    "clip_grad_norm_",
+    "grad_norm",
+    "norm_share",
+    "norm_term",
+    "reduce_norm",
+]
 
 
-def _params(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(params, torch.Tensor):
-        return [params]
-    out = list(params)
-    for p in out:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(
-                f"grad_norm takes tensors (model parameters), got {type(p).__name__}; pass "
-                "model.parameters()"
-            )
-    return out
+@dataclass(frozen=True)
+class NormTerm:
+    """How a rank's piece of a tensor counts in the global norm.
+
+    Attributes:
+        part: The piece's part of the whole tensor (``real`` drops its padding); None when
+            the piece is the whole tensor.
+        counted: Whether this rank's piece counts (False where another rank of a replicated
+            axis counts the same elements).
+    """
+
+    part: LocalPart | None
+    counted: bool
+
+
+def counts_here(placements: Sequence[Placement], group: dist.ProcessGroup | None = None) -> bool:
+    """Whether this rank counts its piece: first rank of every replicated axis, the owner.
+
+    A tensor without placements is replicated over ``group`` (the job when None) and counts
+    on the group's first rank.
+    """
+    me = this_rank()
+    if not placements:
+        return not dist.is_initialized() or axis_ranks(group)[0] == me
+    for placement in placements:
+        ranks = axis_ranks(placement.group)
+        if isinstance(placement.part, Replicate) and ranks[0] != me:
+            return False
+        if isinstance(placement.part, Owned) and ranks[placement.part.owner] != me:
+            return False
+    return True
+
+
+def norm_term(
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> NormTerm:
+    """The :class:`NormTerm` of a piece placed by ``placements`` of a tensor of ``shape``.
+
+    Args:
+        placements: The piece's placements, outermost first (none: replicated over ``group``).
+        shape: The whole tensor's shape.
+        group: The job the norm is reduced over (for tensors without placements).
+    """
+    part = compose(placements, shape) if any(p.splits for p in placements) else None
+    return NormTerm(part, counts_here(placements, group))
 
 
 def _norm_type(norm_type: float | int | str) -> float:
@@ -47,26 +106,111 @@ def _norm_type(norm_type: float | int | str) -> float:
     return value
 
 
-def _reduce(total: torch.Tensor, grad: torch.Tensor, p: float) -> torch.Tensor:
-    if grad.numel() == 0:
-        return total
-    values = grad.detach().to(total.dtype)
-    if math.isinf(p):
-        return torch.maximum(total, values.abs().max().to(total.device))
-    return total + values.abs().pow(p).sum().to(total.device)
+def norm_share(
+    pieces: Iterable[tuple[torch.Tensor, NormTerm]],
+    norm_type: float | int | str = 2.0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """This rank's share of the global norm: sum of ``|x|^p`` (max for inf) of counted pieces.
+
+    Args:
+        pieces: ``(values, term)``: a piece's local tensor and how it counts.
+        norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm.
+        device: Where the share lives (default: the first piece's device, else the CPU).
+
+    Returns:
+        A float32 scalar tensor (not yet reduced over the job: see :func:`reduce_norm`).
+    """
+    p = _norm_type(norm_type)
+    real: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for values, term in pieces:
+        if not term.counted:
+            continue
+        piece = values if term.part is None else term.part.real(values)
+        if piece.numel():
+            real.setdefault((piece.device, piece.dtype), []).append(piece.detach())
+    if device is None:
+        device = next(iter(real))[0] if real else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for tensors in real.values():
+        norms = torch._foreach_norm(tensors, p)
+        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+        if math.isinf(p):
+            total = torch.maximum(total, stacked.max())
+        else:
+            total = total + stacked.pow(p).sum()
+    return total
+
+
+def reduce_norm(
+    share: torch.Tensor, norm_type: float | int | str = 2.0,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The global norm from every rank's :func:`norm_share` (collective over ``group``).
+
+    Args:
+        share: This rank's share.
+        norm_type: ``p`` of the p-norm.
+        group: The job: every rank holding a part of the model (None: every rank).
+    """
+    p = _norm_type(norm_type)
+    total = share.clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
+                   group=group)
+    return total if math.isinf(p) else total.pow(1.0 / p)
+
+
+def _params(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    out = list(params)
+    for p in out:
+        if not isinstance(p, torch.Tensor) and not isinstance(p, ShardedTensor):
+            raise TypeError(
+                f"grad_norm takes tensors (model parameters), got {type(p).__name__}; pass "
+                "model.parameters()"
+            )
+    return out
+
+
+def _grad_pieces(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+) -> Iterable[tuple[torch.Tensor, NormTerm]]:
+    for t in tensors:
+        grad = t.grad
+        if grad is None:
+            continue
+        if isinstance(t, ShardedTensor) and not isinstance(t, torch.Tensor):
+            yield grad, norm_term(t.placements, t.shape, group)
+            continue
+        local = getattr(grad, "_local_tensor", None)  # a DTensor gradient (FSDP2)
+        if local is not None:
+            from colossal.core.sharded.dtensor import dtensor_placements
+
+            yield local, norm_term(dtensor_placements(grad), grad.shape, group)
+            continue
+        spec = shard_spec(t)
+        if spec is None:
+            yield grad, norm_term((), grad.shape, group)
+        else:
+            yield grad, norm_term(spec.placements, spec.shape, group)
 
 
 def grad_norm(
-    params: torch.Tensor | Iterable[torch.Tensor], norm_type: float | int | str = 2.0
+    params: torch.Tensor | Iterable[torch.Tensor], norm_type: float | int | str = 2.0,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of ``params`` as one vector (collective).
 
-    Every rank of every sharded parameter's group must call it with the same parameters in
-    the same order (a parameter without a gradient still joins its group's all-reduce).
+    A parameter's placements come from its :func:`colossal.core.mark_sharded` record (or its
+    ``DTensor`` placements); one without is replicated over ``group``. Every rank of
+    ``group`` calls it (a rank without gradients too).
 
     Args:
         params: The parameters (e.g. ``model.parameters()``), or one tensor.
         norm_type: ``p`` of the p-norm; ``float("inf")`` (or ``"inf"``) for the max norm.
+        group: The ranks holding the model (None: every rank).
 
     Returns:
         A float32 scalar tensor, the same on every rank, on the gradients' device.
@@ -76,29 +220,8 @@ def grad_norm(
         TypeError: ``params`` holds something other than tensors.
     """
     p = _norm_type(norm_type)
-    tensors = _params(params)
-    grads = [t.grad for t in tensors if t.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    groups: dict[tuple[int, ...], tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
-    for t in tensors:
-        spec = shard_spec(t)
-        if spec is None:
-            if t.grad is not None:
-                replicated = _reduce(replicated, t.grad, p)
-            continue
-        key = group_ranks(spec.group) if dist.is_initialized() else ()
-        group, total = groups.get(key, (spec.group, torch.zeros_like(replicated)))
-        if t.grad is not None:
-            total = _reduce(total, spec.part.real(t.grad), p)
-        groups[key] = (group, total)
-    result = replicated
-    for group, total in groups.values():  # first-seen order: the same on every rank
-        if dist.is_initialized():
-            op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-            all_reduce(total, op=op, group=group)
-        result = torch.maximum(result, total) if math.isinf(p) else result + total
-    return result if math.isinf(p) else result.pow(1.0 / p)
+    share = norm_share(_grad_pieces(_params(params), group), p)
+    return reduce_norm(share, p, group)
 
 
 def clip_grad_norm_(
@@ -106,6 +229,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float | int | str = 2.0,
     eps: float = 1e-6,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of ``params`` in place so their global norm is at most ``max_norm``.
 
@@ -118,6 +242,7 @@ def clip_grad_norm_(
         max_norm: The largest allowed norm.
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm.
         eps: Added to the norm before dividing.
+        group: The ranks holding the model (None: every rank).
 
     Returns:
         The norm before clipping (a float32 scalar tensor).
@@ -128,10 +253,13 @@ def clip_grad_norm_(
     if not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm!r} must be >= 0; pass the largest allowed norm")
     tensors = _params(params)
-    total = grad_norm(tensors, norm_type)
+    total = grad_norm(tensors, norm_type, group)
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     with torch.no_grad():
         for t in tensors:
             if t.grad is not None:
-                t.grad.mul_(coef.to(device=t.grad.device, dtype=t.grad.dtype))
+                grad = t.grad
+                local = getattr(grad, "_local_tensor", None)
+                target = local if local is not None else grad
+                target.mul_(coef.to(device=target.device, dtype=target.dtype))
     return total

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from colossal.core.grad_norm import clip_grad_norm_, grad_norm
-from colossal.core.sharded_state import shard_spec
+from colossal.core.sharded import shard_spec
 
 
 class ModelWrapper(nn.Module):

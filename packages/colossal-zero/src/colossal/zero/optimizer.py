@@ -15,13 +15,14 @@ from torch.optim import Optimizer
 
 from colossal.core import DynamicGradScaler, OptimizerWrapper, keep_alive
 from colossal.core.comm import broadcast, group_ranks
+from colossal.core.grad_norm import NormTerm, norm_share, reduce_norm
 from colossal.core.precision import Precision, ScalerConfig, scaler_config_from
 from colossal.zero.config import ZeroConfig
 from colossal.zero.fused_step import fused_when_unset
-from colossal.zero.grad_norm import global_norm, local_norm_term
 from colossal.zero.layout import Bucket, GroupLayout, plan_layout
 from colossal.zero.memory import MemoryReport
 from colossal.zero.param_gather import ParamGatherer
+from colossal.zero.placements import ImpliedAxes, norm_group, slice_norm_terms
 from colossal.zero.reducer import GradReducer
 from colossal.zero.state_dict import gather_state_dict, scatter_state_dict
 
@@ -44,9 +45,11 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     optimizer over that stage's parameters, with ``dp_process_group`` the data-parallel axis
     and ``pp_process_group`` the pipeline axis, and pass it to ``forward_backward_step``: the
     schedule accumulates every microbatch's gradients locally (through :meth:`no_sync`) and
-    reduces them once, in its last weight-gradient backward. The pipeline group makes the
-    gradient norm and the fp16 overflow verdict global, so every stage keeps the same loss
-    scale. Stage 2 cannot accumulate locally and is refused by the schedule.
+    reduces them once, in its last weight-gradient backward. The gradient norm (and the fp16
+    overflow verdict) is the one of :mod:`colossal.core.grad_norm` over each parameter's
+    placements (its own, then its slice here), reduced over the whole job as soon as a
+    parameter lies along another axis, so every stage keeps the same loss scale. Stage 2
+    cannot accumulate locally and is refused by the schedule.
 
     Args:
         optimizer: The optimizer over the model's parameters (its state must be empty).
@@ -66,8 +69,10 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         overlap_communication: Reduce full buckets asynchronously during backward.
         cpu_offload: Keep master weights, their gradients and optimizer states on the CPU.
         master_weights: Keep fp32 master weights for fp16/bf16 parameters.
-        tp_process_group: Extra group the gradient norm is summed over (tensor parallel).
-        pp_process_group: Extra group the gradient norm is summed over (pipeline stages).
+        tp_process_group: The tensor-parallel axis a parameter without a placement record
+            (:func:`colossal.core.mark_sharded`) is replicated over (counted once in the norm).
+        pp_process_group: The pipeline axis: a parameter whose record names no ``"pp"`` axis
+            belongs to this rank's stage. Parameters that carry their placements need neither.
         overlap_allgather: Return from ``step`` before the parameter all-gather ends; the
             next forward (or any other read of a parameter) waits for each parameter's bucket
             just in time (see :mod:`colossal.zero.param_gather`). On by default.
@@ -143,9 +148,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self._dp_ranks = group_ranks(dp_process_group)
         self.world_size = len(self._dp_ranks)
         self.rank = self._dp_ranks.index(dist.get_rank())
-        self._norm_groups = [dp_process_group] + [
-            g for g in (tp_process_group, pp_process_group) if g is not None
-        ]
+        # Parameters without a placement record lie along these axes (ColossalAI's arguments).
+        self._implied = ImpliedAxes(tp_process_group, pp_process_group)
         self._verbose = verbose
 
         members, self._all_params = self._collect_params(optimizer)
@@ -193,7 +197,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         )
         self._grad_norm: float | None = None
         self._pending_clip: float | None = None
-        self._norm_excluded: set[int] = set()
+        self._terms: list[list[tuple[int, int, NormTerm]]] | None = None
+        self._norm_reduce_group: dist.ProcessGroup | None = dp_process_group
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
@@ -380,52 +385,29 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         return not self.reducer.sync
 
     # ---- norm and clipping -------------------------------------------------------------------
-    def exclude_from_norm(self, params: Sequence[torch.Tensor]) -> None:
-        """Leave ``params`` out of this rank's share of the global gradient norm.
+    def _norm_terms(self) -> list[list[tuple[int, int, NormTerm]]]:
+        """How each parameter's piece of this rank's gradient slices counts (computed once)."""
+        if self._terms is None:
+            params = [slot.param for bucket in self.buckets for slot in bucket.slots]
+            self._norm_reduce_group = norm_group(params, self.dp_group, self._implied)
+            self._terms = slice_norm_terms(self.buckets, self.rank, self.world_size,
+                                           self.dp_group, self._norm_reduce_group, self._implied)
+        return self._terms
 
-        For gradients another rank of the norm's extra groups also holds (a parameter
-        replicated over the tensor-parallel group, counted on its first rank only; a tied
-        weight on two pipeline stages, counted on one): summed over ``tp_process_group`` and
-        ``pp_process_group`` they would count several times. Replaces an earlier call.
-
-        Raises:
-            ValueError: A parameter this optimizer does not manage.
-        """
-        foreign = [tuple(p.shape) for p in params if not self.manages(p)]
-        if foreign:
-            raise ValueError(
-                f"exclude_from_norm: parameters of shapes {foreign} are not managed by this "
-                "optimizer; pass parameters of its model"
-            )
-        self._norm_excluded = {id(p) for p in params}
-        self._grad_norm = None
-
-    def _excluded_parts(self) -> Iterator[torch.Tensor]:
-        """The pieces of this rank's gradient slices that belong to excluded parameters."""
-        for bucket in self.buckets:
-            shard = None
-            lo, _ = bucket.shard_range(self.rank, self.world_size)
-            for slot in bucket.slots:
-                if id(slot.param) not in self._norm_excluded:
-                    continue
-                start, stop = bucket.slot_shard_range(slot, self.rank, self.world_size)
-                if start == stop:
-                    continue
-                shard = self.reducer.shard_grad(bucket) if shard is None else shard
-                at = slot.offset + start - lo
-                yield shard[at : at + stop - start]
+    def _norm_pieces(self) -> Iterator[tuple[torch.Tensor, NormTerm]]:
+        for bucket, pieces in zip(self.buckets, self._norm_terms(), strict=True):
+            if not pieces:
+                continue
+            shard = self.reducer.shard_grad(bucket)
+            for at, length, term in pieces:
+                yield shard[at : at + length], term
 
     def _compute_norm(self) -> float:
         self.reducer.ensure_reduced()
         if self._grad_norm is None:
-            term = local_norm_term(
-                (self.reducer.shard_grad(b) for b in self.buckets), self.config.norm_type
-            )
-            if self._norm_excluded and not math.isinf(self.config.norm_type):
-                # duplicates do not change a max norm; a p-norm subtracts their share
-                term = term - local_norm_term(self._excluded_parts(), self.config.norm_type)
-                term = term.clamp_min(0)
-            raw = global_norm(term, self.config.norm_type, self._norm_groups)
+            p = self.config.norm_type
+            share = norm_share(self._norm_pieces(), p, device=torch.device("cpu"))
+            raw = float(reduce_norm(share, p, self._norm_reduce_group).item())
             self._grad_norm = raw / (self.world_size * self.loss_scale)
         return self._grad_norm
 
@@ -462,6 +444,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self.gatherer.wait_all()
         norm = self._compute_norm()
         overflow = not math.isfinite(norm)
+        # The gradients carry the scale the loss was multiplied by: read it before the
+        # scaler grows it (growth_interval reached) or backs it off.
+        scaled_by = self.loss_scale
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
@@ -474,7 +459,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             )
             self._finish_step()
             return
-        factor = 1.0 / (self.world_size * self.loss_scale)
+        factor = 1.0 / (self.world_size * scaled_by)
         max_norm = self._pending_clip or self.config.clip_grad_norm
         if max_norm > 0 and norm > max_norm:
             factor *= max_norm / (norm + 1e-6)

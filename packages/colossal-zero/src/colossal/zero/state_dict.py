@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colossal.core import FlatRange, ShardedTensor
+from colossal.core import FlatRange, Placed, Placement, ShardedTensor
 from colossal.core.comm import all_gather, broadcast, recv, send
 from colossal.zero.layout import Bucket, ParamSlot
+from colossal.zero.placements import slice_placements, whole_shape
 
 if TYPE_CHECKING:
     from colossal.zero.optimizer import LowLevelZeroOptimizer
@@ -28,16 +28,16 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, eq=False)
-class StateRef:
+class StateRef(Placed):
     """One parameter's sharded optimizer state: a :class:`colossal.core.ShardedTensor`.
 
     :func:`sharded_state_dict` puts these where :func:`gather_state_dict` puts full tensors;
     :meth:`gather` (or :func:`gather_param_state`) turns one into the full tensor when (and
-    where) it is needed. This rank holds a :class:`~colossal.core.FlatRange` of the
-    parameter's flattened state: the elements of its bucket slice.
+    where) it is needed. Its placements are the parameter's own (a tensor-parallel block, a
+    pipeline stage, ...) followed by this rank's :class:`~colossal.core.FlatRange` of the
+    parameter's local tensor along the data-parallel axis: the elements of its bucket slice.
 
-    Attributes:
+    Args:
         bucket: The bucket holding the parameter.
         slot: The parameter's place in the bucket.
         name: The state's name (``"exp_avg"``, ``"master_param"``, ...).
@@ -45,16 +45,17 @@ class StateRef:
         optimizer: The optimizer whose state it is.
     """
 
-    bucket: Bucket
-    slot: ParamSlot
-    name: str
-    shard: torch.Tensor
-    optimizer: LowLevelZeroOptimizer
+    def __init__(self, bucket: Bucket, slot: ParamSlot, name: str, shard: torch.Tensor,
+                 optimizer: LowLevelZeroOptimizer) -> None:
+        self.bucket, self.slot, self.name, self.shard = bucket, slot, name, shard
+        self.optimizer = optimizer
+        self._placements = slice_placements(bucket, slot, optimizer.rank, optimizer.world_size,
+                                            optimizer.dp_group, optimizer._implied)
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of the full state (the parameter's shape)."""
-        return torch.Size(self.slot.param.shape)
+        """Shape of the whole state (the whole parameter's shape)."""
+        return whole_shape(self.slot.param)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,33 +63,43 @@ class StateRef:
         return self.shard.dtype
 
     @property
-    def part(self) -> FlatRange:
-        """The elements of the flattened parameter this rank holds (may be empty)."""
-        opt = self.optimizer
-        return FlatRange(*self.bucket.slot_shard_range(self.slot, opt.rank, opt.world_size))
+    def placements(self) -> tuple[Placement, ...]:
+        """The parameter's placements, then this rank's flat range along ``"dp"``."""
+        return self._placements
+
+    @property
+    def flat(self) -> FlatRange:
+        """The elements of the flattened local parameter this rank holds (may be empty)."""
+        part = self._placements[-1].part
+        assert isinstance(part, FlatRange)
+        return part
 
     def local(self) -> torch.Tensor:
         """This rank's elements of the state (1-D, a view into the bucket's shard)."""
         opt = self.optimizer
-        start, stop = self.bucket.slot_shard_range(self.slot, opt.rank, opt.world_size)
         lo, _ = self.bucket.shard_range(opt.rank, opt.world_size)
-        at = self.slot.offset + start - lo
-        return self.shard[at : at + stop - start]
+        flat = self.flat
+        at = self.slot.offset + flat.start - lo
+        return self.shard[at : at + flat.numel]
 
-    def gather(self, dst: int | None = None) -> torch.Tensor | None:
-        """The full CPU state on global rank ``dst`` (every rank when None); collective.
+    def gather_inner(self, leader: int | None) -> torch.Tensor | None:
+        """The parameter's local state (CPU) on global rank ``leader``, over the bucket's group.
 
         Raises:
-            ValueError: ``dst`` is not in the optimizer's data-parallel group.
+            ValueError: ``leader`` is not in the optimizer's data-parallel group.
         """
         ranks = list(self.optimizer._dp_ranks)
-        if dst is not None and dst not in ranks:
+        if leader is not None and leader not in ranks:
             raise ValueError(
-                f"dst={dst} is not a rank of the optimizer's data-parallel group {ranks}"
+                f"dst={leader} is not a rank of the optimizer's data-parallel group {ranks}"
             )
         return gather_param_state(
-            self.optimizer, self, None if dst is None else ranks.index(dst)
+            self.optimizer, self, None if leader is None else ranks.index(leader)
         )
+
+    def __repr__(self) -> str:
+        return (f"StateRef({self.name!r}, index={self.slot.index}, shape={tuple(self.shape)}, "
+                f"placements={list(self._placements)})")
 
 
 def _is_sharded(value: Any, shard_numel: int) -> bool:
@@ -330,7 +341,7 @@ def _bucket_state(
 
 def _covering(value: ShardedTensor, name: str, index: int, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened state from a part that must cover them."""
-    held = value.part
+    held = value.placements[-1].part if value.placements else value.part
     if not isinstance(held, FlatRange) or held.start > start or held.stop < stop:
         raise ValueError(
             f"state {name!r} of parameter {index} holds {held} but this rank needs "

@@ -61,4 +61,4 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> Any:
         """This rank's elements, as the part of the state ZeRO's loader accepts."""
-        return LocalShard(local.reshape(-1), layout.part, layout.shape)
+        return LocalShard(local.reshape(-1), layout.placements, layout.shape)

@@ -16,10 +16,22 @@ from torch import nn
 
 import colossal.checkpoint_io.durable as durable_mod
 import colossal.checkpoint_io.index as index_mod
+import colossal.checkpoint_io.inplace as inplace_mod
 import colossal.checkpoint_io.saver as saver_mod
 from colossal.booster import Booster
 from colossal.checkpoint_io import MODEL_INDEX, CheckpointError
 from colossal.core.testing import spawn
+
+WRITERS = ["staging", "in_place"]
+"""How sync saves of replicated state are written: each file by one rank through the staging
+folder (``write_in_place=False``), or every rank its share in place (the default)."""
+
+
+def _booster(writer: str, plugin: str = "none") -> Booster:
+    booster = make_booster(plugin)
+    booster.checkpoint_io.write_in_place = writer == "in_place"
+    return booster
+
 
 # ---- checksums: each file verified by one rank, verdict agreed -------------------------------
 
@@ -80,9 +92,9 @@ def test_checksums_are_split_over_ranks_and_agreed(tmp_path) -> None:
     assert "found by rank 1" in results[0][3]
 
 
-def _save_to_node_local_paths(rank: int, world_size: int, root: str) -> str | None:
+def _save_to_node_local_paths(rank: int, world_size: int, root: str, writer: str) -> str | None:
     """Each rank passes its own directory, as ranks on different nodes with local disks."""
-    booster = make_booster("ddp")
+    booster = _booster(writer, "ddp")
     model, *_ = booster.boost(make_model())
     try:
         booster.save_model(model, os.path.join(root, f"node{rank}", "ckpt"), shard=True)
@@ -91,11 +103,16 @@ def _save_to_node_local_paths(rank: int, world_size: int, root: str) -> str | No
     return None
 
 
-def test_save_needs_a_filesystem_shared_by_the_ranks(tmp_path) -> None:
-    errors = spawn(_save_to_node_local_paths, 2, args=(str(tmp_path),))
+@pytest.mark.parametrize("writer", WRITERS)
+def test_save_needs_a_filesystem_shared_by_the_ranks(tmp_path, writer) -> None:
+    errors = spawn(_save_to_node_local_paths, 2, args=(str(tmp_path), writer))
     for error in errors:  # every rank fails at once with the reason, none waits for the rest
-        assert error is not None and "ranks [1] do not see" in error and "shared" in error
-    assert os.listdir(tmp_path / "node0") == []  # the staging directory was removed
+        seen = "ranks [1] do not see" if writer == "staging" else "rank 1 does not see"
+        assert error is not None and seen in error and "shared" in error, error
+    if writer == "staging":
+        assert os.listdir(tmp_path / "node0") == []  # the staging directory was removed
+    else:  # the files rank 0 created, and the directories it created for them, are gone
+        assert os.listdir(tmp_path) == []
 
 
 def test_single_process_verifies_every_file(tmp_path, monkeypatch) -> None:
@@ -135,8 +152,8 @@ def _linear(value: float) -> nn.Module:
     return model
 
 
-def _save(path: str, value: float, shard_mb: float = 1024) -> None:
-    booster = Booster()
+def _save(path: str, value: float, shard_mb: float = 1024, writer: str = "staging") -> None:
+    booster = _booster(writer)
     model, *_ = booster.boost(_linear(value))
     booster.save_model(model, path, shard=True, size_per_shard=shard_mb)
 
@@ -187,14 +204,21 @@ def _setup(root: str, state: str) -> str:
     return path
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("shard_mb", [1024, 0.00005])
 @pytest.mark.parametrize("state", ["empty", "main", "after-alternate", "leftovers"])
-def test_commit_is_crash_safe_at_every_step(tmp_path, monkeypatch, state, shard_mb) -> None:
-    """Crash at every rename and delete of a save: the old or the new checkpoint loads."""
-    replace, remove = durable_mod.replace, durable_mod.remove
+def test_commit_is_crash_safe_at_every_step(tmp_path, monkeypatch, state, shard_mb,
+                                            writer) -> None:
+    """Crash at every rename and delete of a save: the old or the new checkpoint loads.
+
+    In place, the renames of the written files are steps too, and a save that crashed before
+    its commit leaves the directory as it found it.
+    """
+    replace, remove, rename = durable_mod.replace, durable_mod.remove, inplace_mod._rename
     outcomes = []
     for crash_at in range(30):
         path = _setup(str(tmp_path / "root"), state)
+        before = os.listdir(path)
         count = [0]
 
         def step(fn, *args, crash_at=crash_at, count=count):
@@ -205,13 +229,15 @@ def test_commit_is_crash_safe_at_every_step(tmp_path, monkeypatch, state, shard_
 
         monkeypatch.setattr(durable_mod, "replace", lambda *a: step(replace, *a))
         monkeypatch.setattr(durable_mod, "remove", lambda *a: step(remove, *a))
+        monkeypatch.setattr(inplace_mod, "_rename", lambda *a: step(rename, *a))
         try:
-            _save(path, 2.0, shard_mb)
+            _save(path, 2.0, shard_mb, writer)
             crashed = False
         except _CrashError:
             crashed = True
         monkeypatch.setattr(durable_mod, "replace", replace)
         monkeypatch.setattr(durable_mod, "remove", remove)
+        monkeypatch.setattr(inplace_mod, "_rename", rename)
         if state == "empty" and not os.path.exists(os.path.join(path, MODEL_INDEX)):
             with pytest.raises(CheckpointError, match="interrupted|holds no model checkpoint"):
                 _loaded_value(path)
@@ -219,8 +245,10 @@ def test_commit_is_crash_safe_at_every_step(tmp_path, monkeypatch, state, shard_
         else:
             value = _loaded_value(path)  # the old or the new checkpoint, never a mix
         assert value in (1.0, 2.0), (state, crash_at, value)
+        if writer == "in_place" and value == 1.0:  # not committed: its files are removed
+            assert set(os.listdir(path)) <= set(before), (state, crash_at)  # (and leftovers)
         outcomes.append(value)
-        _save(path, 3.0, shard_mb)  # the next save recovers from whatever was left
+        _save(path, 3.0, shard_mb, writer)  # the next save recovers from whatever was left
         assert _loaded_value(path) == 3.0
         with open(os.path.join(path, "config.json")) as file:
             assert json.load(file)["value"] == 3.0
@@ -243,23 +271,34 @@ def test_leftover_old_of_the_directory_swap_loads(tmp_path) -> None:
     assert _loaded_value(path) == 2.0
 
 
-def test_interrupted_save_is_ignored(tmp_path, monkeypatch) -> None:
-    """Shards written but never committed: the loader keeps to the committed index."""
+@pytest.mark.parametrize("writer", WRITERS)
+def test_interrupted_save_is_ignored(tmp_path, monkeypatch, writer) -> None:
+    """Shards written but never committed: the loader keeps to the committed index.
+
+    In place, the interrupted save removes its files, and the directory it created.
+    """
     path = str(tmp_path / "ckpt")
+    module = saver_mod if writer == "staging" else inplace_mod
 
     def interrupted_save(value: float) -> None:  # every shard written, the index never
-        monkeypatch.setattr(saver_mod, "commit_index", _crash)
+        monkeypatch.setattr(module, "commit_index", _crash)
         with pytest.raises(_CrashError):
-            _save(path, value)
+            _save(path, value, writer=writer)
         monkeypatch.undo()
 
     interrupted_save(5.0)
-    with pytest.raises(CheckpointError, match="interrupted"):
-        _loaded_value(path)
-    _save(path, 1.0)
+    if writer == "staging":
+        with pytest.raises(CheckpointError, match="interrupted"):
+            _loaded_value(path)
+    else:
+        assert os.listdir(tmp_path) == []  # the directory it created is gone
+    _save(path, 1.0, writer=writer)
+    before = sorted(os.listdir(path))
     interrupted_save(5.0)
     assert _loaded_value(path) == 1.0
-    _save(path, 2.0)  # replaces the leftovers of the interrupted save
+    if writer == "in_place":
+        assert sorted(os.listdir(path)) == before  # nothing of the interrupted save is left
+    _save(path, 2.0, writer=writer)  # replaces the leftovers of the interrupted save
     assert _loaded_value(path) == 2.0
     assert _model_files(path) == _referenced(path)
 
@@ -275,6 +314,7 @@ _KILL_MID_WRITE = textwrap.dedent(
     import os, sys, torch
     import colossal.core.io._atomic_file as atomic_file
     from colossal.booster import Booster
+    from colossal.checkpoint_io import inplace
 
     path, mode = sys.argv[1], sys.argv[2]
 
@@ -289,8 +329,18 @@ _KILL_MID_WRITE = textwrap.dedent(
         await file.flush()
         os._exit(17)  # the process dies in the middle of writing this file
 
+    pwrite_all = inplace._pwrite_all
+
+    def pwrite_half_then_die(fd, view, offset):
+        if len(view) < 64 * 1024:  # small tensors: written normally
+            return pwrite_all(fd, view, offset)
+        pwrite_all(fd, view[: len(view) // 2 // 4096 * 4096], offset)
+        os._exit(17)  # the process dies in the middle of writing its part of this file
+
     atomic_file._write_chunk = write_half_then_die
+    inplace._pwrite_all = pwrite_half_then_die
     booster = Booster()
+    booster.checkpoint_io.write_in_place = mode == "in_place"
     model, *_ = booster.boost(torch.nn.Linear(1024, 1024))
     with torch.no_grad():
         model.weight.fill_(7.0)
@@ -302,11 +352,12 @@ _KILL_MID_WRITE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "in_place"])
 def test_kill_mid_write_keeps_old_checkpoint(tmp_path, mode) -> None:
+    """``sync`` and ``async`` write through the staging folder, ``in_place`` (sync) not."""
     torch.manual_seed(0)
     old = nn.Linear(1024, 1024)
-    booster = Booster()
+    booster = _booster(mode)
     boosted, *_ = booster.boost(old)
     path = str(tmp_path / "ckpt")
     booster.save_model(boosted, path, shard=True, size_per_shard=1)
@@ -321,7 +372,12 @@ def test_kill_mid_write_keeps_old_checkpoint(tmp_path, mode) -> None:
         if name.endswith(".tmp") and name.startswith(".model-")
     }
     full = 1024 * 1024 * 4
-    assert any(0 < size < full for size in partial.values()), partial  # killed mid-file
+    if mode == "in_place":  # created at full size: the written half, then zeros
+        assert partial, os.listdir(path)
+        tails = [open(os.path.join(path, n), "rb").read()[-4096:] for n in partial]
+        assert any(tail == bytes(4096) for tail in tails), partial  # killed mid-file
+    else:
+        assert any(0 < size < full for size in partial.values()), partial  # killed mid-file
     fresh = nn.Linear(1024, 1024)
     booster.load_model(fresh, path)
     torch.testing.assert_close(fresh.weight, old.weight, rtol=0, atol=0)

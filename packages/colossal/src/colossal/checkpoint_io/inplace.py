@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.checksum import crc32, crc32_combine
-from colossal.checkpoint_io.commit import commit_index
+from colossal.checkpoint_io.commit import commit_index, referenced_files
 from colossal.checkpoint_io.index import CheckpointError
 from colossal.core import Block, FlatRange
 from colossal.core.comm import all_gather_object
@@ -59,6 +59,8 @@ __all__ = [
     "file_layout",
     "layout_files",
     "local_part",
+    "missing_root",
+    "remove_created",
     "save_in_place",
     "stream_order",
     "supports_in_place",
@@ -226,6 +228,44 @@ def _remove_temps(path: str, files: Sequence[str], token: str) -> None:
             pass
 
 
+def _rename(source: str, target: str) -> None:
+    """Give a written file its final name (atomic; the caller fsyncs the directory once)."""
+    os.replace(source, target)
+
+
+def missing_root(path: str) -> str | None:
+    """The outermost of ``path`` and its parents that does not exist (None: ``path`` exists).
+
+    Taken before a save creates ``path``: what :func:`remove_created` may remove again.
+    """
+    path, root = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        root, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return root
+
+
+def remove_created(path: str, root: str | None) -> None:
+    """After a failed save: remove ``path`` and its parents up to ``root`` while empty.
+
+    ``root`` is :func:`missing_root` of ``path`` before the save created it; a directory
+    that existed before (None) or holds anything else is kept.
+    """
+    path = os.path.abspath(path)
+    if root is None or not (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
+        return
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (or gone): keep it and its parents
+            return
+        if path == root:
+            return
+        path = os.path.dirname(path)
+
+
 def _agree(value: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
     return all_gather_object(value, group) if world > 1 else [value]
 
@@ -271,6 +311,8 @@ def _write_own(
                 offset = data_start + info.begin + part.start * info.dtype.itemsize
                 crcs = _write_part(fd, data, offset)
                 written.append((file, offset, part.numel * info.dtype.itemsize, crcs))
+        if not opened and plan:  # nothing to write here: still fail unless the files are seen
+            os.close(_open_created(path, _temp_name(plan[0][0], token), rank))
         for fd in opened:  # the writeback of each piece started when it was written
             os.fsync(fd)
         return _coalesce(written)
@@ -449,12 +491,27 @@ def _commit(
     check_tiling([p for pieces in by_file.values() for p in pieces],
                  {f: size for f, (_, size) in layouts.items()})
     meta = {f: {"size": layouts[f][1], "crc32": combine_pieces(by_file[f])} for f in files}
-    for file in files:
-        os.replace(os.path.join(path, _temp_name(file, token)), os.path.join(path, file))
-    durable.fsync_directory(path)
-    if index is None:
-        logger.info("saved in place to %s", [os.path.join(path, f) for f in files])
-        return
-    index["metadata"]["files"] = dict(sorted(meta.items()))
-    commit_index(path, index_name, index, prefix, texts)
+    renamed: list[str] = []
+    try:
+        for file in files:  # every file is durable (each rank's fsync) before its rename
+            _rename(os.path.join(path, _temp_name(file, token)), os.path.join(path, file))
+            renamed.append(file)
+        durable.fsync_directory(path)
+        if index is None:
+            logger.info("saved in place to %s", [os.path.join(path, f) for f in files])
+            return
+        index["metadata"]["files"] = dict(sorted(meta.items()))
+        commit_index(path, index_name, index, prefix, texts)  # the commit point
+    except BaseException:
+        if index is not None and not set(files) <= referenced_files(path, index_name):
+            _remove_files(path, renamed)  # not committed: the renamed files are this save's
+        raise
     logger.info("%s checkpoint saved in place to %s", prefix, path)
+
+
+def _remove_files(path: str, files: Sequence[str]) -> None:
+    for file in files:
+        try:
+            os.remove(os.path.join(path, file))
+        except FileNotFoundError:
+            pass

@@ -49,6 +49,8 @@ from colossal.checkpoint_io.index import (
 from colossal.checkpoint_io.inplace import (
     create_files,
     file_layout,
+    missing_root,
+    remove_created,
     save_in_place,
     stream_order,
     supports_in_place,
@@ -140,8 +142,8 @@ class ShardedSaver:
         shards = plan_shards(sizes, int(limit) if math.isfinite(limit) else sys.maxsize)
         # Rank 0 alone checks the directory and reads the committed index; all take its plan
         # (for an in-place save rank 0 has also created the files: the plan holds their token).
-        plan = _plan(path, prefix, index_name, shards, tensors if in_place else None) \
-            if rank == 0 else None
+        plan = _plan(path, prefix, index_name, shards, tensors if in_place else None,
+                     extra_files or ()) if rank == 0 else None
         if world > 1:
             plan = all_gather_object(plan, self.group)[0]
         if isinstance(plan, BaseException):
@@ -150,9 +152,6 @@ class ShardedSaver:
         staging, files = staging_directory(path, prefix), plan["files"]
         if world > 1 and not in_place:  # in place, a rank that cannot see the files fails
             _check_shared_directory(path, plan, staging, rank, self.group)
-        clash = sorted(set(extra_files or ()) & {*files, index_name})
-        if clash:
-            raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         index = {
             "metadata": {
@@ -166,8 +165,13 @@ class ShardedSaver:
         }
         texts = dict(extra_files) if rank == 0 and extra_files else {}
         if in_place:
-            save_in_place(tensors, path, files, shards, index, index_name, prefix, texts,
-                          self._assign, self.group, token=plan["token"])
+            try:
+                save_in_place(tensors, path, files, shards, index, index_name, prefix, texts,
+                              self._assign, self.group, token=plan["token"])
+            except BaseException:
+                if rank == 0:  # its temporary files are gone: the directory it created too
+                    remove_created(path, plan["root"])
+                raise
             return
         handles: list[tuple[str, Any, dict[str, torch.Tensor] | None]] = []
         nbytes = dict(sizes)
@@ -249,20 +253,26 @@ class ShardedSaver:
         in_place = in_place and not use_async and supports_in_place(tensors)
         folder, file = os.path.dirname(key), os.path.basename(key)
         outcome: str | BaseException | None = None  # rank 0: the in-place token or the error
+        root = missing_root(folder) if rank == 0 else None  # what a failed save removes
         if rank == 0:
             try:
                 os.makedirs(folder, exist_ok=True)
                 if in_place:
                     outcome = create_files(folder, tensors, [file], [names])
             except OSError as err:
+                remove_created(folder, root)
                 outcome = err
         if world > 1:
             outcome = all_gather_object(outcome, self.group)[0]
         if isinstance(outcome, BaseException):
             raise outcome
         if in_place:
-            save_in_place(tensors, folder, [file], [names], None, "", "", None, self._assign,
-                          self.group, token=outcome)
+            try:
+                save_in_place(tensors, folder, [file], [names], None, "", "", None,
+                              self._assign, self.group, token=outcome)
+            except BaseException:
+                remove_created(folder, root)
+                raise
             return
         if stream and not use_async:
             _stream_part(tensors, names, 0, rank, path, gather or _identity)
@@ -362,19 +372,26 @@ def _plan(
     index_name: str,
     shards: list[list[str]],
     in_place: Mapping[str, Any] | None = None,
-) -> dict[str, Any] | OSError:
+    extra_names: Collection[str] = (),
+) -> dict[str, Any] | OSError | ValueError:
     """Rank 0's preparation: the directory, a fresh staging folder (none in place), the names.
 
     For an in-place save of the tensors ``in_place`` it also creates the files (their token
     in the plan: a rank that cannot see them fails the save); otherwise it leaves the token of
-    the shared-directory check in the staging folder. Returns the error instead of raising
-    it, so that every rank can raise it.
+    the shared-directory check in the staging folder. ``root``: the outermost directory it
+    created (see :func:`.inplace.missing_root`). Returns the error (extra files named like
+    checkpoint files: ``ValueError``) instead of raising it, so that every rank can raise it;
+    the directories it created are removed again then.
     """
+    root = missing_root(path)
     try:
         created = prepare_directory(path)
         staging = staging_directory(path, prefix)
         durable.remove(staging)  # meta files of an interrupted save
         files = choose_file_names(path, index_name, prefix, len(shards))
+        clash = sorted(set(extra_names) & {*files, index_name})
+        if clash:
+            raise ValueError(f"extra files {clash} would overwrite checkpoint files; rename them")
         shared = token = None
         if in_place is not None:  # the ranks meet in the temporary files, not in staging
             token = create_files(path, in_place, files, shards)
@@ -383,9 +400,10 @@ def _plan(
             shared = os.urandom(16).hex()
             with open(os.path.join(staging, _SHARED_CHECK), "w", encoding="ascii") as file:
                 file.write(shared)
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        remove_created(path, root)
         return err
-    return {"created": created, "files": files, "shared": shared, "token": token}
+    return {"created": created, "root": root, "files": files, "shared": shared, "token": token}
 
 
 _SHARED_CHECK = ".shared-check"

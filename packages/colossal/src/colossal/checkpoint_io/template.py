@@ -69,11 +69,22 @@ class CheckpointIO:
         group: The ranks that write and read together (the whole job when None).
         verify_checksums: Check every file's CRC-32 before loading (each file read by one
             rank of ``group``; sizes are always checked).
+        write_in_place: Write a sync save whose values are all plain (replicated) tensors,
+            as a DDP model's and optimizer's, in place: every rank writes its share of the
+            tensors straight into the final files (:mod:`colossal.checkpoint_io.inplace`).
+            False: each file is written whole by one rank and the ranks meet in a staging
+            folder. Both give the same files and the same crash safety.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, verify_checksums: bool = True):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        verify_checksums: bool = True,
+        write_in_place: bool = True,
+    ) -> None:
         self.group = group
         self.verify_checksums = verify_checksums
+        self.write_in_place = write_in_place
         self.saver = ShardedSaver(group)
 
     def _rank(self) -> int:
@@ -104,6 +115,10 @@ class CheckpointIO:
         if not is_sharded(tensor):
             return tensor
         return as_sharded(tensor).gather(self._global_rank(dst))
+
+    def _writes_in_place(self, state: dict[str, Any]) -> bool:
+        """Whether a sync save of ``state`` is written in place (no value is sharded)."""
+        return self.write_in_place and not any(is_sharded(v) for v in state.values())
 
     def _global_rank(self, rank: int | None) -> int | None:
         """``rank`` of this IO's group as a global rank."""
@@ -234,7 +249,9 @@ class CheckpointIO:
         are replaced (the optimizer's, the scheduler's and the user's stay); the previous
         model checkpoint there stays loadable until the new index replaces its index. With
         ``shard=False`` and a ``checkpoint`` ending in ``.safetensors``, the weights are
-        written as that one file instead (no index, no config).
+        written as that one file instead (no index, no config). A sync save of plain
+        (replicated) tensors is shared by the ranks in place (``write_in_place``); a failed
+        one removes the files, and the directory, it created.
 
         Args:
             model: A boosted (or plain) model.
@@ -266,6 +283,7 @@ class CheckpointIO:
                 use_async=use_async,
                 gather=self.to_full,
                 background=set(params) if background_snapshot else (),
+                in_place=self._writes_in_place(state),
             )
             return
         self.saver.save(
@@ -278,6 +296,7 @@ class CheckpointIO:
             gather=self.to_full,
             background=set(params) if background_snapshot else (),
             extra_files=hf_config_files(self.config_module(model)) if self._rank() == 0 else None,
+            in_place=self._writes_in_place(state),
         )
 
     def config_module(self, model: nn.Module) -> nn.Module:
@@ -371,6 +390,7 @@ class CheckpointIO:
             use_async=use_async,
             gather=self.to_full,
             background=set(tensors) if background_snapshot else (),
+            in_place=self._writes_in_place(tensors),
         )
 
     def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:

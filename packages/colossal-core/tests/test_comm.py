@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -233,3 +235,28 @@ def test_ring_reduce_scatter_sums_every_rank_into_its_slice(rank: int, world_siz
         reduce_scatter(out, mine.clone(), op=dist.ReduceOp.MAX, algorithm="ring")
     with pytest.raises(ValueError, match="only reduce-scatters"):
         all_gather(mine, mine[:n], algorithm="ring")
+
+
+@distributed_test(2)
+def test_async_ring_reduce_scatter_reports_completion_to_polls(rank: int, world_size: int) -> None:
+    """Gloo's point-to-point works say ``is_completed() == False`` until waited on: a poller
+    (Gemini's backward walk frees a chunk's gradient buffer only when its reduction polls
+    complete) held every buffer until the end of backward. Catches a poll that never turns
+    true, and a ``wait`` after polls that waits on the gloo works a second time (it hangs)."""
+    n = 5
+    expected = torch.full((n,), float(sum(range(1, world_size + 1))))
+    out = torch.empty(n)
+    work = reduce_scatter(out, torch.full((n * world_size,), float(rank + 1)), async_op=True,
+                          algorithm="ring")
+    assert work is not None
+    all_reduce(torch.ones(1))  # both ranks have launched the exchange
+    polled = False
+    for _ in range(30_000):  # a hang guard (up to 30 s), not a speed limit
+        polled = work.is_completed()
+        if polled:
+            break
+        time.sleep(0.001)
+    assert polled, "the ring reduce-scatter never reported completion to a poller"
+    work.wait()
+    assert torch.equal(out, expected)
+    assert work.is_completed()

@@ -12,6 +12,7 @@ Whatever the algorithm, the comm tracker records one logical collective and its 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,18 +33,66 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class _WorkList:
-    """Several asynchronous operations waited on as one."""
+    """Several asynchronous operations waited on as one.
+
+    :meth:`is_completed` tells the truth for gloo's point-to-point works too: they report
+    ``False`` until something waits on them, however long ago their data arrived (and
+    a ``wait`` with a timeout that expires closes the gloo pair, so it cannot be used to
+    probe). The first poll that finds an unfinished work therefore hands the waits to a
+    daemon thread (gloo's ``wait`` releases the GIL) and later polls read its flag; a
+    ``wait`` after that joins the thread (each gloo work may be waited on once only: a second
+    ``wait`` on a send blocks for the next send). Without polls no thread is started.
+    """
 
     def __init__(self, works: Sequence[Any]) -> None:
         self._works = list(works)
+        self._lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._direct = False  # waited on without the thread (it must then never start)
+
+    def _wait_all(self) -> None:
+        try:
+            for work in self._works:
+                work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller
+            self._error = exc
+        finally:
+            self._done.set()
 
     def wait(self, timeout: Any = None) -> bool:
-        for work in self._works:
-            work.wait() if timeout is None else work.wait(timeout)
+        with self._lock:
+            waiter = self._waiter
+            direct = waiter is None and not self._direct
+            self._direct = self._direct or direct
+        if direct:
+            for work in self._works:
+                work.wait() if timeout is None else work.wait(timeout)
+            self._done.set()
+            return True
+        if waiter is None:  # waited on directly before: done
+            return True
+        # The thread's waits carry the group's own timeout, so this join ends.
+        waiter.join(None if timeout is None else timeout.total_seconds())
+        if not self._done.is_set():
+            raise TimeoutError(f"point-to-point works not finished within {timeout}")
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        if self._done.is_set():
+            return True
+        with self._lock:
+            if self._waiter is None and not self._direct:
+                if all(w.is_completed() for w in self._works):
+                    return True
+                self._waiter = threading.Thread(
+                    target=self._wait_all, name="colossal-comm-wait", daemon=True
+                )
+                self._waiter.start()
+        return self._done.is_set()
 
     def get_future(self) -> Any:
         raise NotImplementedError("a rooted collective has no single future; call wait()")

@@ -5,9 +5,10 @@ each rank holds a "split" weight (its tp rank's part: different values on the tw
 and a "replicated" bias (the same on both tp ranks), in one chunk whose dp shards cut
 through the weight, so the norm's pieces are cut out of a shard. Gradients are set by hand
 and reduced as GeminiDDP does (averaged over dp). The expected norm counts the split
-weight's parts once each and the bias once; without ``exclude_from_norm`` the bias would
-count twice (checked to differ), without ``tp_process_group`` the other tp rank's part would
-be missing. An fp16 inf in an excluded piece on one rank skips the step on every rank.
+weight's parts once each and the bias once: the weight is marked as its tp block, the bias
+as replicated over tp (or implied so by ``tp_process_group``); unknown, the bias would count
+twice, and with nothing marked the norm would leave out the other tp rank's part (both
+checked to differ). An fp16 inf in a piece another rank counts skips the step on every rank.
 ``GeminiDDP`` over one of two data-parallel groups trains like one process (each group
 creating its own reduction group: a job-wide ``new_group`` paired ranks of different groups
 and hung).
@@ -21,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from colossal.core import ParallelDims
+from colossal.core import Block, ParallelDims, Placement, Replicate, mark_sharded
 from colossal.core.testing import distributed_test
 from colossal.gemini import ChunkManager, GeminiDDP, GeminiOptimizer
 
@@ -71,14 +72,20 @@ def _expected(norm_type: float, tp_size: int = 2, dp_size: int = 2) -> float:
     return float(torch.linalg.vector_norm(torch.cat(parts), norm_type))
 
 
-def _build(dims: ParallelDims, dtype: torch.dtype, exclude: bool, tp_group: bool = True
+def _build(dims: ParallelDims, dtype: torch.dtype, bias: str, weight: bool = True
            ) -> tuple[_Chunked, GeminiOptimizer]:
+    """``bias``: "marked" (recorded as replicated over tp), "implied" (unmarked, with
+    ``tp_process_group``) or "unknown" (unmarked, no group); ``weight``: mark w's tp block."""
     model = _model()
+    tp_group, t = dims.group("tp"), dims.coordinate("tp")
+    if weight:
+        mark_sharded(model.w, Block.along((2 * W,), 0, t * W, (t + 1) * W), (2 * W,), tp_group)
+    if bias == "marked":
+        mark_sharded(model.b, Placement("tp", Replicate(), tp_group), (B,))
     gem = _Chunked(model, dtype, dims.group("dp"))
     opt = GeminiOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gem, initial_scale=4,
-                          hysteresis=1, tp_process_group=dims.group("tp") if tp_group else None)
-    if exclude and dims.coordinate("tp") != 0:
-        opt.exclude_from_norm([model.b])
+                          hysteresis=1,
+                          tp_process_group=tp_group if bias == "implied" else None)
     return gem, opt
 
 
@@ -86,28 +93,29 @@ def _build(dims: ParallelDims, dtype: torch.dtype, exclude: bool, tp_group: bool
 def test_norm_counts_each_parameter_once_over_tp_and_dp(rank: int, world_size: int) -> None:
     dims = ParallelDims(dp=2, tp=2)
     tp, dp = dims.coordinate("tp"), dims.coordinate("dp")
-    for norm_type in (2.0, math.inf):
-        gem, opt = _build(dims, torch.float32, exclude=True)
+    for norm_type, bias in ((2.0, "marked"), (2.0, "implied"), (math.inf, "marked")):
+        gem, opt = _build(dims, torch.float32, bias)
         gem.set_grads(_grads(tp, dp))
         norm = opt.clip_grad_by_norm(1e9, norm_type) if norm_type == 2.0 else None
         if norm_type == math.inf:
             opt.norm_type = math.inf  # the max norm: duplicates do not change it
             norm = opt.clip_grad_by_norm(1e9)
         assert norm == pytest.approx(_expected(norm_type), rel=1e-6), (norm_type, norm)
-    # The same without the exclusion (the bias counted twice) or without the tp group (the
-    # other tp rank's part missing) is another number: the test tells them apart.
-    for exclude, tp_group in ((False, True), (True, False)):
-        gem, opt = _build(dims, torch.float32, exclude=exclude, tp_group=tp_group)
+    # The bias not known to be replicated (counted twice), or nothing known about tp
+    # (reduced over dp only: the other tp rank's part missing) is another number.
+    for bias, weight in (("unknown", True), ("unknown", False)):
+        gem, opt = _build(dims, torch.float32, bias, weight)
         gem.set_grads(_grads(tp, dp))
-        assert opt.clip_grad_by_norm(1e9) != pytest.approx(_expected(2.0), rel=1e-3)
+        got = opt.clip_grad_by_norm(1e9)
+        assert got != pytest.approx(_expected(2.0), rel=1e-3), (bias, weight, got)
 
 
 @distributed_test(4)
-def test_fp16_overflow_in_an_excluded_piece_skips_every_rank(rank: int,
-                                                             world_size: int) -> None:
+def test_fp16_overflow_in_an_uncounted_piece_skips_every_rank(rank: int,
+                                                              world_size: int) -> None:
     dims = ParallelDims(dp=2, tp=2)
     tp, dp = dims.coordinate("tp"), dims.coordinate("dp")
-    gem, opt = _build(dims, torch.float16, exclude=True)
+    gem, opt = _build(dims, torch.float16, "marked")
     grads = _grads(tp, dp)
     if (tp, dp) == (1, 1):
         grads["b"][2] = math.inf  # the bias lives in dp rank 1's shard; tp rank 1 skips it
@@ -153,11 +161,3 @@ def test_gemini_ddp_over_one_of_two_dp_groups(rank: int, world_size: int) -> Non
     state = gem.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
-
-
-def test_exclude_from_norm_refuses_foreign_parameters() -> None:
-    model = _model()
-    gem = _Chunked(model, torch.float32, None)
-    opt = GeminiOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gem)
-    with pytest.raises(ValueError, match=r"shapes \[\(3,\)\] are not managed"):
-        opt.exclude_from_norm([nn.Parameter(torch.zeros(3))])

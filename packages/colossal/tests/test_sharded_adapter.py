@@ -44,10 +44,33 @@ def test_dtensor_shards_gather_to_a_named_rank(rank: int, world_size: int) -> No
         assert torch.equal(rebuilt.full_tensor(), full * 2)
     with pytest.raises(ValueError, match="dst=9"):
         as_sharded(distribute_tensor(_full((4, 2)), mesh, [Shard(0)])).gather(9)
-    mesh2d = init_device_mesh("cpu", (world_size, 1))
-    two_dims = distribute_tensor(_full((4, 2)), mesh2d, [Shard(0), Replicate()])
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(_full((4, 2)), mesh, [Partial()], run_check=False)
     with pytest.raises(NotImplementedError, match="placements"):
-        as_sharded(two_dims)
+        as_sharded(partial)
+
+
+@distributed_test(4)
+def test_dtensor_on_a_2d_mesh_gathers_axis_by_axis(rank: int, world_size: int) -> None:
+    """A 2 x 2 mesh: each mesh dimension is one placement; the gather walks both axes
+    (catches a leader chosen inconsistently across the groups of an axis, which would hang
+    or deliver a tensor to the wrong rank, and nested Shard(0) x Shard(0) laid out wrong)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)]):
+        full = _full((6, 5))
+        shard = as_sharded(distribute_tensor(full, mesh, placements))
+        assert [p.axis for p in shard.placements] == ["dp", "tp"]
+        assert torch.equal(shard.part.take(full), shard.local()), placements
+        for dst in range(world_size):
+            got = shard.gather(dst)
+            if rank == dst:
+                assert got is not None and torch.equal(got, full), (placements, dst)
+            else:
+                assert got is None
 
 
 def test_as_sharded_wraps_plain_tensors_and_passes_sharded_ones() -> None:

@@ -20,6 +20,7 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,17 +119,23 @@ def norm_share(
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm.
         device: Where the share lives (default: the first piece's device, else the CPU).
 
+    Pieces another rank counts are still checked: an inf or NaN in any piece makes the share
+    non-finite (the fp16 overflow verdict sees every gradient this rank holds).
+
     Returns:
         A float32 scalar tensor (not yet reduced over the job: see :func:`reduce_norm`).
     """
     p = _norm_type(norm_type)
     real: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    others: list[torch.Tensor] = []  # counted elsewhere: only checked for inf/NaN
     for values, term in pieces:
-        if not term.counted:
-            continue
         piece = values if term.part is None else term.part.real(values)
-        if piece.numel():
+        if not piece.numel():
+            continue
+        if term.counted:
             real.setdefault((piece.device, piece.dtype), []).append(piece.detach())
+        else:
+            others.append(piece.detach())
     if device is None:
         device = next(iter(real))[0] if real else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -139,7 +146,15 @@ def norm_share(
             total = torch.maximum(total, stacked.max())
         else:
             total = total + stacked.pow(p).sum()
+    if others:
+        checked = torch.stack([n.to(device=device, dtype=torch.float32)
+                               for n in torch._foreach_norm(others, p)])
+        total = total + (checked.sum() * 0)  # an inf/NaN anywhere makes the share non-finite
     return total
+
+
+_NO_GROUP: Any = object()
+"""``reduce_norm``'s group when the share is already the whole norm (no communication)."""
 
 
 def reduce_norm(
@@ -155,7 +170,7 @@ def reduce_norm(
     """
     p = _norm_type(norm_type)
     total = share.clone()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group is not _NO_GROUP and dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
                    group=group)
     return total if math.isinf(p) else total.pow(1.0 / p)
@@ -174,27 +189,27 @@ def _params(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]
     return out
 
 
-def _grad_pieces(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
-) -> Iterable[tuple[torch.Tensor, NormTerm]]:
+def _grad_placements(
+    tensors: Sequence[torch.Tensor],
+) -> list[tuple[torch.Tensor, tuple[Placement, ...], Sequence[int]]]:
+    """``(local gradient, placements, whole shape)`` of every tensor with a gradient."""
+    out = []
     for t in tensors:
         grad = t.grad
         if grad is None:
-            continue
-        if isinstance(t, ShardedTensor) and not isinstance(t, torch.Tensor):
-            yield grad, norm_term(t.placements, t.shape, group)
             continue
         local = getattr(grad, "_local_tensor", None)  # a DTensor gradient (FSDP2)
         if local is not None:
             from colossal.core.sharded.dtensor import dtensor_placements
 
-            yield local, norm_term(dtensor_placements(grad), grad.shape, group)
+            out.append((local, dtensor_placements(grad), grad.shape))
             continue
         spec = shard_spec(t)
         if spec is None:
-            yield grad, norm_term((), grad.shape, group)
+            out.append((grad, (), grad.shape))
         else:
-            yield grad, norm_term(spec.placements, spec.shape, group)
+            out.append((grad, spec.placements, spec.shape))
+    return out
 
 
 def grad_norm(
@@ -204,8 +219,10 @@ def grad_norm(
     """The ``norm_type`` norm of all gradients of ``params`` as one vector (collective).
 
     A parameter's placements come from its :func:`colossal.core.mark_sharded` record (or its
-    ``DTensor`` placements); one without is replicated over ``group``. Every rank of
-    ``group`` calls it (a rank without gradients too).
+    ``DTensor`` placements); one without is replicated over ``group``. When no parameter has
+    placements the norm is computed locally (it is the same on every rank); otherwise every
+    rank of ``group`` calls it (a rank without gradients too), and all of them agree on
+    whether some parameter has placements.
 
     Args:
         params: The parameters (e.g. ``model.parameters()``), or one tensor.
@@ -220,8 +237,12 @@ def grad_norm(
         TypeError: ``params`` holds something other than tensors.
     """
     p = _norm_type(norm_type)
-    share = norm_share(_grad_pieces(_params(params), group), p)
-    return reduce_norm(share, p, group)
+    grads = _grad_placements(_params(params))
+    if not any(placements for _, placements, _ in grads):  # replicated: the same everywhere
+        return reduce_norm(norm_share(((g, NormTerm(None, True)) for g, _, _ in grads), p), p,
+                           _NO_GROUP)
+    pieces = ((g, norm_term(placements, shape, group)) for g, placements, shape in grads)
+    return reduce_norm(norm_share(pieces, p), p, group)
 
 
 def clip_grad_norm_(

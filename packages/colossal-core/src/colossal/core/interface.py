@@ -15,7 +15,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from colossal.core.grad_norm import clip_grad_norm_, grad_norm
-from colossal.core.sharded import shard_spec
 
 
 class ModelWrapper(nn.Module):
@@ -170,25 +169,16 @@ class OptimizerWrapper:
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
         """Total norm of all gradients (as if concatenated into one vector).
 
-        With tensor-parallel (marked) parameters it is the global norm
-        (:func:`colossal.core.grad_norm`; collective over their groups).
+        It is :func:`colossal.core.grad_norm`: with parameters that carry placements
+        (tensor parallel, FSDP2's DTensors) the global norm, collective over the job.
         """
-        if any(shard_spec(p) is not None for p in self._params()):
-            return float(grad_norm(list(self._params()), norm_type))
-        grads = [p.grad for p in self._params() if p.grad is not None]
-        if not grads:
-            return 0.0
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        return float(torch.linalg.vector_norm(norms, norm_type))
+        return float(grad_norm(list(self._params()), norm_type))
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale gradients so their total norm is at most ``max_norm``; return the norm before."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        if any(shard_spec(p) is not None for p in self._params()):  # tensor parallel: global
-            return float(clip_grad_norm_(list(self._params()), max_norm, norm_type))
-        params = [p for p in self._params() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+        return float(clip_grad_norm_(list(self._params()), max_norm, norm_type))
 
     def clip_grad_by_value(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``."""

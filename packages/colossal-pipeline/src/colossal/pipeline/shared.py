@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from colossal.core.comm import all_reduce
 from colossal.pipeline.stage_manager import PipelineStageManager
@@ -54,6 +55,10 @@ class SharedParamGradSync:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def pairs(self) -> list[tuple[torch.Tensor, ProcessGroup]]:
+        """This stage's shared parameters, each with the group of the stages holding it."""
+        return list(self._entries)
 
     def __call__(self) -> None:
         """All-reduce (sum) every local shared parameter's gradient over its stages."""

@@ -8,13 +8,19 @@ checkpoint IO read these placements; ZeRO itself needs no other group than its o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from colossal.core import FlatRange, Owned, Placement, Replicate, shard_spec
+from colossal.core import (
+    FlatRange,
+    ImpliedAxes,
+    Placement,
+    param_placements,
+    shard_spec,
+    whole_shape,
+)
 from colossal.core.grad_norm import NormTerm, norm_term
 
 if TYPE_CHECKING:
@@ -22,59 +28,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DP_AXIS",
-    "ImpliedAxes",
     "norm_group",
-    "param_placements",
     "slice_norm_terms",
     "slice_placements",
-    "whole_shape",
 ]
 
 DP_AXIS = "dp"
 """The axis name of ZeRO's data-parallel slices."""
-
-
-@dataclass(frozen=True)
-class ImpliedAxes:
-    """Axes a parameter lies along without saying so.
-
-    They come from ColossalAI's ``tp_process_group`` and ``pp_process_group`` arguments of
-    ``LowLevelZeroOptimizer``.
-    A parameter whose record names no ``"pp"`` axis is owned by this rank's stage of ``pp``;
-    one with no record at all is replicated over ``tp``.
-
-    Attributes:
-        tp: The tensor-parallel group, or None.
-        pp: The pipeline group, or None.
-    """
-
-    tp: dist.ProcessGroup | None = None
-    pp: dist.ProcessGroup | None = None
-
-    def __bool__(self) -> bool:
-        return self.tp is not None or self.pp is not None
-
-
-def param_placements(param: torch.Tensor, implied: ImpliedAxes | None = None
-                     ) -> tuple[Placement, ...]:
-    """The placements of ``param``: its record, with the implied axes it does not name."""
-    spec = shard_spec(param)
-    own = spec.placements if spec is not None else ()
-    if not implied:
-        return own
-    extra: list[Placement] = []
-    if implied.pp is not None and not any(p.axis == "pp" for p in own):
-        coordinate = dist.get_rank(implied.pp)
-        extra.append(Placement("pp", Owned(coordinate), implied.pp))
-    if implied.tp is not None and spec is None:
-        extra.append(Placement("tp", Replicate(), implied.tp))
-    return (*extra, *own)
-
-
-def whole_shape(param: torch.Tensor) -> torch.Size:
-    """Shape of the whole (unsharded) parameter."""
-    spec = shard_spec(param)
-    return torch.Size(spec.shape) if spec is not None else param.shape
 
 
 def slice_placements(

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from colossal.core import FlatRange, Placed, Placement, ShardedTensor
+from colossal.core import FlatRange, Placed, Placement, ShardedTensor, whole_shape
 from colossal.core.comm import all_gather, broadcast, recv, send
 from colossal.zero.layout import Bucket, ParamSlot
-from colossal.zero.placements import slice_placements, whole_shape
+from colossal.zero.placements import slice_placements
 
 if TYPE_CHECKING:
     from colossal.zero.optimizer import LowLevelZeroOptimizer
@@ -317,10 +317,13 @@ def _bucket_state(
             value = states.get(slot.index, {}).get(name)
             if value is None:
                 continue
-            if tuple(value.shape) != tuple(slot.param.shape):
+            # a sharded state is described whole (its placements give this rank's part)
+            expected = whole_shape(slot.param) if isinstance(value, ShardedTensor) \
+                else slot.param.shape
+            if tuple(value.shape) != tuple(expected):
                 raise ValueError(
                     f"state {name!r} of parameter {slot.index} has shape {tuple(value.shape)}, "
-                    f"the parameter has {tuple(slot.param.shape)}; "
+                    f"the parameter has {tuple(expected)}; "
                     "the checkpoint belongs to another model"
                 )
             start, stop = bucket.slot_shard_range(slot, opt.rank, opt.world_size)

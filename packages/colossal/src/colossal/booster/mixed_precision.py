@@ -24,6 +24,7 @@ from colossal.core import (
     ModelWrapper,
     OptimizerWrapper,
     ScalerConfig,
+    clip_grad_norm_,
     parse_precision,
 )
 from colossal.core.precision import (
@@ -388,8 +389,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 g.mul_(1.0 / scale)
         if self._pending_clip is not None:
             max_norm, norm_type = self._pending_clip
-            params = [p for p in self._params() if p.grad is not None]
-            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+            self._grad_norm = float(clip_grad_norm_(list(self._params()), max_norm, norm_type))
             self._pending_clip = None
         return self.optim.step(*args, **kwargs)
 

@@ -300,4 +300,4 @@ def _materialize_part(
     del full
     if isinstance(param, nn.Parameter):
         local = nn.Parameter(local, requires_grad=param.requires_grad)
-    return mark_sharded(local, part, spec.shape, spec.group)
+    return mark_sharded(local, spec.placements, spec.shape)

@@ -9,15 +9,19 @@
 * :mod:`.norm`: the counting rule of the gradient norm (each element once).
 """
 
+from colossal.core.sharded.dtensor import DTensorShard, dtensor_placements
 from colossal.core.sharded.gather import gather_placed, leader_of
 from colossal.core.sharded.local import Absent, LocalShard, Replicated, TensorBacked
 from colossal.core.sharded.marks import (
+    ImpliedAxes,
     ShardSpec,
     mark_sharded,
+    param_placements,
     shard_parameter,
     shard_source,
     shard_spec,
     sharded_view,
+    whole_shape,
 )
 from colossal.core.sharded.parts import Block, Blocks, FlatRange, SliceReader
 from colossal.core.sharded.placement import (
@@ -35,7 +39,9 @@ __all__ = [
     "Absent",
     "Block",
     "Blocks",
+    "DTensorShard",
     "FlatRange",
+    "ImpliedAxes",
     "LocalPart",
     "LocalShard",
     "Nested",
@@ -49,12 +55,15 @@ __all__ = [
     "SliceReader",
     "TensorBacked",
     "compose",
+    "dtensor_placements",
     "gather_placed",
     "leader_of",
     "level_shapes",
     "mark_sharded",
+    "param_placements",
     "shard_parameter",
     "shard_source",
     "shard_spec",
     "sharded_view",
+    "whole_shape",
 ]

@@ -25,7 +25,15 @@ from colossal.core.comm import all_gather_object, broadcast, group_ranks, recv, 
 from colossal.core.sharded.parts import Block, Blocks, FlatRange
 from colossal.core.sharded.placement import Owned, Placement, Replicate, level_shapes
 
-__all__ = ["InnerGather", "axis_ranks", "gather_level", "gather_placed", "leader_of", "this_rank"]
+__all__ = [
+    "InnerGather",
+    "axis_ranks",
+    "gather_level",
+    "gather_placed",
+    "grid_axes",
+    "leader_of",
+    "this_rank",
+]
 
 InnerGather = Callable[[int | None], torch.Tensor | None]
 """``gather(leader)``: the innermost level gathered to global rank ``leader`` (None: all)."""
@@ -41,12 +49,37 @@ def axis_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     return tuple(group_ranks(group)) if dist.is_initialized() else (0,)
 
 
+def grid_axes(ranks: Sequence[int]) -> list[tuple[int, int]] | None:
+    """``(stride, size)`` of each grid axis a group spans, innermost first; None if no grid.
+
+    A group along one or several axes of a row-major grid holds ``first + sum(c_k * s_k)``
+    for every coordinate ``c_k < n_k``: the strides and sizes are read off the ranks.
+    """
+    first = min(ranks)
+    offsets = {r - first for r in ranks}
+    if len(offsets) != len(ranks):
+        return None
+    covered, axes = {0}, []
+    while len(covered) < len(offsets):
+        stride = min(offsets - covered)
+        size = 1
+        while all(c + size * stride in offsets for c in covered):
+            size += 1
+        axes.append((stride, size))
+        covered = {c + i * stride for c in covered for i in range(size)}
+        if not covered <= offsets:
+            return None
+    if covered != offsets or any((first // s) % n for s, n in axes):
+        return None
+    return axes
+
+
 def leader_of(ranks: Sequence[int], dst: int | None) -> int | None:
-    """The rank of ``ranks`` at ``dst``'s coordinate along their axis (None for None).
+    """The rank of ``ranks`` at ``dst``'s coordinates along their axes (None for None).
 
     Raises:
-        ValueError: ``dst`` is outside the group and the group is not an axis of a row-major
-            grid (its ranks are not evenly spaced), so its coordinate cannot be known.
+        ValueError: ``dst`` is outside the group and the group is not made of axes of a
+            row-major grid, so its coordinates cannot be known.
     """
     if dst is None:
         return None
@@ -54,14 +87,13 @@ def leader_of(ranks: Sequence[int], dst: int | None) -> int | None:
         return dst
     if len(ranks) == 1:
         return ranks[0]
-    stride = ranks[1] - ranks[0]
-    evenly = stride > 0 and all(b - a == stride for a, b in zip(ranks, ranks[1:], strict=False))
-    if not evenly or (ranks[0] // stride) % len(ranks) != 0:
+    axes = grid_axes(ranks)
+    if axes is None:
         raise ValueError(
             f"cannot place rank {dst} along the axis of ranks {list(ranks)}: the placements' "
             "groups must be axes of one row-major grid (ProcessGroupMesh or DeviceMesh)"
         )
-    return ranks[(dst // stride) % len(ranks)]
+    return min(ranks) + sum(((dst // s) % n) * s for s, n in axes)
 
 
 def gather_level(
@@ -171,12 +203,15 @@ def gather_placed(
     for i in reversed(range(len(placements))):
         placement = placements[i]
         ranks = axis_ranks(placement.group)
-        leader = leader_of(ranks, dst)
         if isinstance(placement.part, Replicate):
+            leader = _replica_leader(ranks, dst)
             active = active and (leader is None or me == leader)
-        elif isinstance(placement.part, Owned):
+            continue
+        if isinstance(placement.part, Owned):
             held, active = _owned(held, active, placement, ranks, shapes[i], dtype, dst)
-        elif active:
+            continue
+        leader = leader_of(ranks, dst)
+        if active:
             if i == innermost and inner is not None:
                 held = inner(leader)
             else:
@@ -192,6 +227,18 @@ def gather_placed(
             "replicated or owned along"
         )
     return held
+
+
+def _replica_leader(ranks: Sequence[int], dst: int | None) -> int | None:
+    """The replica that goes on: ``dst``'s coordinate, or the first when it has none here.
+
+    A replicated axis moves nothing, so a group that is no grid axis (the stages sharing a
+    tied weight) may pick its first rank.
+    """
+    try:
+        return leader_of(ranks, dst)
+    except ValueError:
+        return ranks[0]
 
 
 def _owned(

@@ -18,15 +18,25 @@ from torch import nn
 
 from colossal.core.sharded.local import LocalShard, as_placements, check_placements
 from colossal.core.sharded.parts import Block, Blocks, FlatRange, check_shape
-from colossal.core.sharded.placement import LocalPart, Placement, compose, level_shapes
+from colossal.core.sharded.placement import (
+    LocalPart,
+    Owned,
+    Placement,
+    Replicate,
+    compose,
+    level_shapes,
+)
 
 __all__ = [
+    "ImpliedAxes",
     "ShardSpec",
     "mark_sharded",
+    "param_placements",
     "shard_parameter",
     "shard_source",
     "shard_spec",
     "sharded_view",
+    "whole_shape",
 ]
 
 _SPEC_ATTR = "_colossal_shard_spec"
@@ -99,9 +109,52 @@ def mark_sharded(
     return tensor
 
 
+@dataclass(frozen=True)
+class ImpliedAxes:
+    """Axes a parameter lies along without saying so.
+
+    They come from ColossalAI's ``tp_process_group`` and ``pp_process_group`` arguments of
+    ``LowLevelZeroOptimizer`` (and of ``GeminiOptimizer``).
+    A parameter whose record names no ``"pp"`` axis is owned by this rank's stage of ``pp``;
+    one with no record at all is replicated over ``tp``.
+
+    Attributes:
+        tp: The tensor-parallel group, or None.
+        pp: The pipeline group, or None.
+    """
+
+    tp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+
+    def __bool__(self) -> bool:
+        return self.tp is not None or self.pp is not None
+
+
+def param_placements(param: torch.Tensor, implied: ImpliedAxes | None = None
+                     ) -> tuple[Placement, ...]:
+    """The placements of ``param``: its record, with the implied axes it does not name."""
+    spec = shard_spec(param)
+    own = spec.placements if spec is not None else ()
+    if not implied:
+        return own
+    extra: list[Placement] = []
+    if implied.pp is not None and not any(p.axis == "pp" for p in own):
+        coordinate = dist.get_rank(implied.pp)
+        extra.append(Placement("pp", Owned(coordinate), implied.pp))
+    if implied.tp is not None and spec is None:
+        extra.append(Placement("tp", Replicate(), implied.tp))
+    return (*extra, *own)
+
+
 def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     """The :class:`ShardSpec` :func:`mark_sharded` recorded on ``tensor``, else None."""
     return getattr(tensor, _SPEC_ATTR, None)
+
+
+def whole_shape(tensor: torch.Tensor) -> torch.Size:
+    """Shape of the whole tensor ``tensor`` is a part of (its own shape when unmarked)."""
+    spec = shard_spec(tensor)
+    return torch.Size(spec.shape) if spec is not None else tensor.shape
 
 
 def sharded_view(tensor: torch.Tensor, like: torch.Tensor | None = None) -> LocalShard | None:

@@ -15,6 +15,7 @@ overrides :meth:`Placed.gather_inner`.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -122,6 +123,29 @@ class Placed:
             cached = (placements, shape, compose(placements, shape))
             self._part_cache = cached
         return cached[2]
+
+    def along(self, placement: Placement) -> Placed:
+        """A copy of this tensor placed as ``placement`` along its axis.
+
+        The placement replaces the one along the same axis, or becomes the outermost. The
+        copy shares the local tensor (a save may describe a pipeline stage's ownership of a
+        tied weight differently from how the norm counts it).
+
+        Raises:
+            TypeError: The implementation keeps its placements elsewhere than ``_placements``.
+        """
+        if not hasattr(self, "_placements"):
+            raise TypeError(f"{type(self).__name__} cannot be re-placed (no _placements)")
+        old = self.placements
+        axes = [p.axis for p in old]
+        if placement.axis in axes:
+            at = axes.index(placement.axis)
+            new = (*old[:at], placement, *old[at + 1 :])
+        else:
+            new = (placement, *old)
+        clone = copy.copy(self)
+        clone._placements = new  # type: ignore[attr-defined]
+        return clone
 
     def holds(self) -> bool:
         """Whether this rank holds the tensor's values (False for an owned axis' others)."""

@@ -1,12 +1,16 @@
 """Gemini's parameters and optimizer states as :class:`colossal.core.ShardedTensor`.
 
-A parameter managed by a chunk is held, on each rank, as the elements of its flattened self
-that fall into the rank's shard of the chunk: a :class:`colossal.core.FlatRange` (empty when
-the rank's shard holds none of it). :class:`ChunkTensor` is that view of a parameter (its
-fp32 master when the chunk keeps one, else its shard); :class:`ChunkStateTensor` is the same
-view of one optimizer state laid out like the parameter (Adam's ``exp_avg``/``exp_avg_sq``).
-Their ``gather`` goes through a :class:`~colossal.gemini.checkpoint.ChunkGatherer`, so a save
-that asks for the tensors chunk by chunk gathers each chunk once.
+A parameter managed by a chunk is held, on each rank, as the elements of its flattened local
+tensor that fall into the rank's shard of the chunk. Its placements
+(:func:`colossal.gemini.chunk.placements.piece_placements`) are the parameter's own (a
+tensor-parallel block recorded with :func:`colossal.core.mark_sharded`), then that flat range
+along ``"dp"``, then the replicas of extra data parallelism: so "a Gemini chunk piece of a
+tensor-parallel block" is one description, gathered axis by axis. :class:`ChunkTensor` is
+that view of a parameter (its fp32 master when the chunk keeps one, else its shard);
+:class:`ChunkStateTensor` the same view of one optimizer state laid out like the parameter
+(Adam's ``exp_avg``/``exp_avg_sq``). Their innermost gather goes through a
+:class:`~colossal.gemini.checkpoint.ChunkGatherer`, so a save that asks for the tensors chunk
+by chunk gathers each chunk once.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colossal.core import FlatRange
+from colossal.core import FlatRange, Placed, Placement
 from colossal.core.comm import all_gather_object
 from colossal.gemini.checkpoint.gatherer import ChunkGatherer
+from colossal.gemini.chunk.placements import piece_placements, whole_shape
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +36,21 @@ def _this_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class ChunkTensor:
-    """One managed parameter as the flat range of it this rank's chunk shard holds.
+class ChunkTensor(Placed):
+    """One managed parameter as the piece of it this rank's chunk shard holds.
 
-    ``dtype`` is the master's (fp32) when the chunk keeps a master, else the chunk's;
-    ``local()`` is this rank's piece of the master (or of the shard). ``gather`` is
-    collective over the chunk's group (the chunk is gathered once per ``gatherer``).
+    ``shape`` is the whole parameter's (the tensor-parallel whole, when it is split);
+    ``dtype`` the master's (fp32) when the chunk keeps a master, else the chunk's; ``local()``
+    this rank's piece of the master (or of the shard). ``gather`` is collective over the
+    ranks of its placements (the chunk is gathered once per ``gatherer``).
 
     Args:
         chunk: The ``colossal.gemini.Chunk`` holding ``param``.
         param: The parameter.
         gatherer: Shared by the tensors of one save (a new one when None).
         position: The chunk's index in its manager (orders a chunk-by-chunk save).
+        manager: The chunks' manager (its groups place the piece; the chunk's group alone
+            when None).
     """
 
     state = "param"
@@ -53,27 +61,35 @@ class ChunkTensor:
         param: nn.Parameter,
         gatherer: ChunkGatherer | None = None,
         position: int = 0,
+        manager: Any = None,
     ) -> None:
         self.chunk, self.param = chunk, param
         self.info = chunk.infos[param]
         self.gatherer = gatherer if gatherer is not None else ChunkGatherer()
         self.position = position
-        self._part = FlatRange(*chunk.shard_range(param))
+        self._placements = piece_placements(chunk, param, manager or _ChunkGroup(chunk))
+        self._flat = next(p.part for p in reversed(self._placements)
+                          if isinstance(p.part, FlatRange))
 
     @property
     def shape(self) -> torch.Size:
-        """The parameter's shape."""
-        return torch.Size(self.info.shape)
+        """The whole parameter's shape."""
+        return whole_shape(self.chunk, self.param)
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The parameter's placements, its flat range along ``"dp"``, its replicas."""
+        return self._placements
+
+    @property
+    def flat(self) -> FlatRange:
+        """The elements of the flattened local parameter this rank's shard holds."""
+        return self._flat
 
     @property
     def dtype(self) -> torch.dtype:
         """fp32 with a master, else the chunk's dtype."""
         return self.chunk.master_dtype or self.chunk.dtype
-
-    @property
-    def part(self) -> FlatRange:
-        """The elements of the flattened parameter this rank holds."""
-        return self._part
 
     @property
     def order(self) -> tuple[int, str, int]:
@@ -87,20 +103,20 @@ class ChunkTensor:
     def _flat_shard(self) -> torch.Tensor:
         return self.chunk.optim_shard
 
-    def gather(self, dst: int | None = None) -> torch.Tensor | None:
-        """The whole tensor (CPU) on global rank ``dst`` (every rank when None); collective.
+    def gather_inner(self, leader: int | None) -> torch.Tensor | None:
+        """The local parameter (CPU) on global rank ``leader`` (every rank when None).
 
-        The first tensor of a chunk gathers the whole chunk to ``dst`` (to every rank when
-        None); the others slice that buffer.
+        The first tensor of a chunk gathers the whole chunk to ``leader``; the others slice
+        that buffer. Collective over the chunk's group.
         """
-        buf = self.gatherer.buffer(self.chunk, self.state, self._flat_shard, dst)
-        if buf is None or (dst is not None and dst != _this_rank()):
+        buf = self.gatherer.buffer(self.chunk, self.state, self._flat_shard, leader)
+        if buf is None or (leader is not None and leader != _this_rank()):
             return None
-        return buf[self.info.offset : self.info.end].view(self.shape)
+        return buf[self.info.offset : self.info.end].view(self.info.shape)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.info.name!r}, shape={tuple(self.shape)}, "
-                f"part={self._part}, chunk={self.chunk.chunk_id})")
+                f"placements={list(self._placements)}, chunk={self.chunk.chunk_id})")
 
 
 class ChunkStateTensor(ChunkTensor):
@@ -116,6 +132,7 @@ class ChunkStateTensor(ChunkTensor):
             tensors).
         gatherer: Shared by the tensors of one save.
         position: The chunk's index in its manager.
+        manager: The chunks' manager (see :class:`ChunkTensor`).
     """
 
     def __init__(
@@ -127,8 +144,9 @@ class ChunkStateTensor(ChunkTensor):
         pieces: dict[tuple[int, int], torch.Tensor],
         gatherer: ChunkGatherer | None = None,
         position: int = 0,
+        manager: Any = None,
     ) -> None:
-        super().__init__(chunk, param, gatherer, position)
+        super().__init__(chunk, param, gatherer, position, manager)
         self.state, self._dtype, self._pieces = state, dtype, pieces
 
     @property
@@ -138,8 +156,8 @@ class ChunkStateTensor(ChunkTensor):
 
     def local(self) -> torch.Tensor:
         """This rank's elements of the state (empty when it holds none of the parameter)."""
-        at = self.info.offset + self._part.start - self.chunk.shard_begin
-        values = self._pieces.get((at, self._part.numel))
+        at = self.info.offset + self._flat.start - self.chunk.shard_begin
+        values = self._pieces.get((at, self._flat.numel))
         return values if values is not None else torch.empty(0, dtype=self._dtype)
 
     def _flat_shard(self) -> torch.Tensor:
@@ -147,6 +165,16 @@ class ChunkStateTensor(ChunkTensor):
         for (offset, _), values in self._pieces.items():
             flat[offset : offset + values.numel()].copy_(values.reshape(-1))
         return flat
+
+
+class _ChunkGroup:
+    """A stand-in manager for a chunk built without one: its group, no replicas."""
+
+    extra_dp_size = 1
+    extra_dp_group = None
+
+    def __init__(self, chunk: Any) -> None:
+        self.group = getattr(chunk, "group", getattr(chunk, "_group", None))
 
 
 def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str, ChunkTensor]:
@@ -162,7 +190,8 @@ def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str
     out: dict[str, ChunkTensor] = {}
     for position, chunk in enumerate(module.chunk_manager.chunks):
         for p in chunk.params:
-            out[chunk.infos[p].name] = ChunkTensor(chunk, p, gatherer, position)
+            out[chunk.infos[p].name] = ChunkTensor(chunk, p, gatherer, position,
+                                                   module.chunk_manager)
     return out
 
 
@@ -220,7 +249,7 @@ def optimizer_shards(
                 if kind[0] == "elementwise":
                     shared = pieces.setdefault((id(chunk), key), {})
                     entry[key] = ChunkStateTensor(chunk, p, key, getattr(torch, kind[1]), shared,
-                                                  gatherer, position)
+                                                  gatherer, position, manager)
                 elif kind[0] == "tensor":
                     entry[key] = torch.tensor(kind[2], dtype=getattr(torch, kind[1]))
                 else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,14 +23,20 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from colossal.core import DynamicGradScaler, OptimizerWrapper, get_accelerator, keep_alive
+from colossal.core import (
+    DynamicGradScaler,
+    ImpliedAxes,
+    OptimizerWrapper,
+    get_accelerator,
+    keep_alive,
+)
+from colossal.core.grad_norm import NormTerm, norm_share, reduce_norm
 from colossal.core.io import adopt_optimizer_state
 from colossal.core.precision import Precision, ScalerConfig, parse_precision, scaler_config_from
+from colossal.gemini.chunk.placements import norm_group, piece_norm_terms
 from colossal.gemini.optim.grad_stats import (
     GradStats,
     check_norm_type,
-    norm_pieces,
-    reduce_grad_stats,
 )
 from colossal.gemini.optim.shards import MasterView, build_master_views
 
@@ -75,15 +81,12 @@ class GeminiOptimizer(OptimizerWrapper):
     shards and one all-reduce of two numbers over the chunks' group; a bf16/fp32 step without
     clipping measures nothing (as ColossalAI's, :meth:`get_grad_norm` is then ``None``).
 
-    Next to tensor parallelism (the module's parameters are this rank's parts, the chunks
-    are sharded over the data-parallel group), pass ``tp_process_group``: the two numbers are
-    then also summed over it, so the verdict and the norm cover every rank; and call
-    :meth:`exclude_from_norm` with the parameters another tensor-parallel rank counts (those
-    replicated over the group, on every rank but one), so each gradient counts once.
-
-    With extra data parallelism (``GeminiDDP(extra_dp_group=...)``) the gradient shards are
-    averaged over the replicas before they are read; replicas then hold the same shards, so
-    the verdict and the norm are reduced over the chunks' group only (each shard once).
+    The norm is :mod:`colossal.core.grad_norm`'s over each parameter's placements: those
+    recorded on it (a tensor-parallel block, :func:`colossal.core.mark_sharded`), its flat
+    range in this rank's chunk shard, and the replicas of extra data parallelism
+    (``GeminiDDP(extra_dp_group=...)``, whose gradient shards are averaged first): every
+    element counts once, and one all-reduce over the job gives the norm and the verdict.
+    ``tp_process_group`` says that parameters without a record are replicated over it.
 
     Args:
         optim: The optimizer over the original model's parameters; its state must be empty.
@@ -101,9 +104,9 @@ class GeminiOptimizer(OptimizerWrapper):
         verbose: Log skipped steps and scale changes at INFO level.
         scaler_config: The loss scaler settings as one ``ScalerConfig`` (instead of the
             seven keyword settings).
-        tp_process_group: The tensor-parallel group the module's parameters are split over
-            (None: no tensor parallelism); the overflow verdict and the norm are reduced
-            over it after the chunks' group.
+        tp_process_group: The tensor-parallel group that parameters without a placement
+            record are replicated over (None: no tensor parallelism, or every parameter
+            carries its placements).
 
     Raises:
         TypeError: ``optim`` is not a torch optimizer, or ``module`` has no chunk manager.
@@ -167,7 +170,10 @@ class GeminiOptimizer(OptimizerWrapper):
         self._fused_grads = self._fused_div and _step_takes(optim, "grads")
         self._device = get_accelerator().get_current_device()
         self._stats: GradStats | None = None  # of the gradients waiting for the next step
-        self._norm_excluded: set[int] = set()  # ids of parameters another tp rank counts
+        # Parameters without a placement record are replicated over tp (counted once).
+        self._implied = ImpliedAxes(tp=self.tp_group)
+        self._terms: list[list[tuple[int, int, NormTerm]]] | None = None
+        self._norm_reduce: ProcessGroup | None = self.group
         self._last_norm: float | None = None
         self._pending_clip: float | None = None
 
@@ -222,37 +228,32 @@ class GeminiOptimizer(OptimizerWrapper):
         self.module.backward_by_grad(tensor, grad, *args, **kwargs)
 
     # ------------------------------------------------------------------ norm and clipping
-    def exclude_from_norm(self, params: Sequence[torch.Tensor]) -> None:
-        """Leave ``params`` out of this rank's share of the global gradient norm.
-
-        For gradients another rank of ``tp_process_group`` holds alike (a parameter
-        replicated over the tensor-parallel group, counted on its first rank only): summed
-        over the group they would count several times. They are still checked for inf/NaN.
-        Replaces an earlier call.
-
-        Raises:
-            ValueError: A parameter the module's chunks do not manage.
-        """
-        foreign = [tuple(p.shape) for p in params if not _managed(self.chunk_manager, p)]
-        if foreign:
-            raise ValueError(f"exclude_from_norm: parameters of shapes {foreign} are not "
-                             "managed by this optimizer's Gemini module; pass its parameters")
-        self._norm_excluded = {id(p) for p in params}
-        self._stats = None
-
     def _reduce_replicas(self) -> None:
         """Average pending gradient shards over the chunks' replicas (extra data parallelism)."""
         reduce = getattr(self.chunk_manager, "reduce_replica_grads", None)
         if reduce is not None:
             reduce()
 
+    def _norm_pieces(self) -> Iterator[tuple[torch.Tensor, NormTerm]]:
+        """Each parameter's piece of this rank's gradient shards, with how it counts."""
+        if self._terms is None:
+            self._norm_reduce = norm_group(self.chunk_manager, self._implied)
+            self._terms = piece_norm_terms(self._chunks, self.chunk_manager, self._norm_reduce,
+                                           self._implied)
+        for chunk, pieces in zip(self._chunks, self._terms, strict=True):
+            grad = chunk.grad_shard
+            if grad is None:
+                continue
+            for at, length, term in pieces:
+                yield grad[at : at + length], term
+
     def _grad_stats(self) -> GradStats:
         if self._stats is None:
             self._reduce_replicas()
-            counted, uncounted = norm_pieces(self._chunks, self._norm_excluded)
-            extra = () if self.tp_group is None else (self.tp_group,)
-            self._stats = reduce_grad_stats(counted, self.norm_type, self.group, self._device,
-                                            uncounted=uncounted, extra_groups=extra)
+            share = norm_share(self._norm_pieces(), self.norm_type, device=self._device)
+            norm = float(reduce_norm(share, self.norm_type, self._norm_reduce))
+            overflow = not math.isfinite(norm)
+            self._stats = GradStats(overflow, math.inf if overflow else norm)
         return self._stats
 
     def _unscaled_norm(self, stats: GradStats) -> float:

@@ -1,7 +1,7 @@
 """FSDPCheckpointIO: the checkpoint IO of :class:`TorchFSDPPlugin`.
 
 FSDP2's ``DTensor`` parameters and optimizer states reach checkpoint IO through the
-``colossal.checkpoint_io.sharded.DTensorShard`` adapter of :class:`colossal.core.ShardedTensor`:
+``colossal.core.DTensorShard`` implementation of :class:`colossal.core.ShardedTensor`:
 full tensors are gathered for saving (written spread over the ranks) and each rank reads only
 its rows when loading. Nothing here differs from :class:`CheckpointIO`; the class names the
 plugin's IO.

@@ -50,7 +50,7 @@ from colossal.booster.plugin.gemini_config import (
     ShardformerOptions,
     normalize_chunk_config,
 )
-from colossal.booster.plugin.hybrid_model import replicated_over_tp, shard_and_repoint
+from colossal.booster.plugin.hybrid_model import shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
     OptimizerWrapper,
@@ -378,8 +378,6 @@ class GeminiPlugin(DPPluginBase):
                 scaler_config=self.config.scaler_config,
                 tp_process_group=self.tp_group,
             )
-            if self.tp_group is not None:
-                optimizer.exclude_from_norm(self._counted_elsewhere(model.module))
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None) -> nn.Module:
@@ -394,10 +392,6 @@ class GeminiPlugin(DPPluginBase):
         # autograd produces them (Gemini averages over dp only, so nothing is scaled).
         register_partial_grad_hooks(module)
         return module
-
-    def _counted_elsewhere(self, module: nn.Module) -> list[torch.Tensor]:
-        """Parameters replicated over tp on tp ranks other than 0 (rank 0 counts them)."""
-        return replicated_over_tp(module, self.parallel_dims.coordinate("tp"))
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """:class:`GeminiCheckpointIO` (chunk by chunk, the one checkpoint format)."""

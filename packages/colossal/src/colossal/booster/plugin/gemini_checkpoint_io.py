@@ -12,13 +12,14 @@ kept-gathered payloads. The files are the same as every other plugin's: a Gemini
 loads under DDP, FSDP2 or ZeRO at any world size, and theirs load here.
 
 Next to tensor parallelism (``GeminiPlugin(tp_size > 1)``) a chunk holds a flat range of
-this rank's tensor-parallel part of each parameter, so the IO works over the whole job: a
-tensor is a :class:`_TensorParallelChunk`, whose gather first gathers the chunk over the
-data-parallel group to the rank of the writer's data-parallel coordinate (one chunk at a
-time), then the tensor-parallel parts (a parameter replicated over tp from tp rank 0 only)
-to the writer: full tensors under the model's names, as every plugin writes them. Loading
-reads this rank's tensor-parallel part and keeps its flat range. Optimizer states laid out
-like their parameter are saved and loaded the same way.
+this rank's tensor-parallel part of each parameter. A ``ChunkTensor``'s placements say so
+(the parameter's tensor-parallel block, then its flat range along ``"dp"``), so the IO works
+over the whole job with nothing of its own: a gather assembles the chunk over the
+data-parallel group at the writer's coordinate (one chunk at a time), then the
+tensor-parallel parts at the writer: full tensors under the model's names, as every plugin
+writes them. Loading reads the composed part (this rank's tensor-parallel block, then its
+flat range). Optimizer states laid out like their parameter are saved and loaded the same
+way.
 
 Next to extra data parallelism (``GeminiPlugin(extra_dp_size > 1)``) the ranks of the
 ``replica_group`` hold the same shards: only the ranks of replica coordinate 0 write (each
@@ -50,12 +51,11 @@ from colossal.checkpoint_io.optimizer_fit import param_shapes_entry
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import (
-    Block,
-    FlatRange,
-    LocalPart,
     LocalShard,
     OptimizerWrapper,
     ParallelDims,
+    Placement,
+    Replicate,
     ShardedTensor,
     shard_spec,
 )
@@ -104,83 +104,6 @@ def _gemini_optimizer(optimizer: Any) -> GeminiOptimizer | None:
 def _stream_order(item: tuple[str, Any]) -> tuple[int, str, int]:
     order = getattr(item[1], "order", None)
     return order if order is not None else (-1, "", 0)
-
-
-def _empty(shape: torch.Size, dtype: torch.dtype, group: Any = None) -> LocalShard:
-    """The part of a rank that holds none of a tensor of ``shape`` (held elsewhere)."""
-    if not shape:
-        return LocalShard(torch.empty(0, dtype=dtype), FlatRange(0, 0), shape, group)
-    none = (0, *shape[1:])
-    return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape,
-                      group)
-
-
-class _TensorParallelChunk:
-    """A Gemini-managed tensor-parallel part as a ``ShardedTensor`` over the whole job.
-
-    ``part`` is what this rank's shard group (``dp_shard``: all of dp without extra data
-    parallelism) holds together (the parameter's tensor-parallel part, or all of it when
-    replicated over tp); ``local()`` gathers it (collective over the shard group).
-    ``gather(dst)`` is collective over ``group``.
-
-    Args:
-        inner: The parameter's flat range in its chunk.
-        dims: The job's layout (``dp_shard`` and ``tp`` axes).
-        group: The ranks that write together (``dp_shard`` x ``tp``; None: the whole job).
-    """
-
-    def __init__(self, inner: ChunkTensor, dims: ParallelDims, group: Any = None) -> None:
-        self.inner, self.dims, self.group = inner, dims, group
-        self.spec = shard_spec(inner.param)
-        self._shape = torch.Size(self.spec.shape if self.spec is not None else inner.shape)
-        # A replicated parameter is given by tp rank 0 only (every tp rank holds it alike).
-        self._gives = self.spec is not None or dims.coordinate("tp") == 0
-
-    @property
-    def shape(self) -> torch.Size:
-        """The whole tensor's shape (unpadded)."""
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """fp32 with master weights, else the chunk's dtype."""
-        return self.inner.dtype
-
-    @property
-    def order(self) -> tuple[int, str, int]:
-        """The chunk-by-chunk order of the inner tensor."""
-        return self.inner.order
-
-    @property
-    def part(self) -> LocalPart:
-        """The tensor-parallel part this rank's data-parallel group holds."""
-        return self.spec.part if self.spec is not None else Block.whole(self._shape)
-
-    def local(self) -> torch.Tensor:
-        """This rank's tensor-parallel part (padding included); collective over dp."""
-        full = self.inner.gather(None)
-        assert full is not None
-        return full
-
-    def gather(self, dst: int | None = None) -> torch.Tensor | None:
-        """The whole tensor on global rank ``dst`` (every rank when None); collective.
-
-        The chunk is gathered over each data-parallel group to its rank at ``dst``'s
-        data-parallel coordinate (at coordinate 0 when ``dst`` is None), which then give
-        their tensor-parallel parts.
-        """
-        row = self.dims.coordinate("dp_shard", dst) if dst is not None else 0
-        writer = self.dims.ranks("dp_shard")[row]
-        local = self.inner.gather(writer if dst is not None else None)
-        if self._gives and dist.get_rank() == writer:
-            assert local is not None
-            shard = LocalShard(local, self.part, self._shape, self.group)
-        else:
-            shard = _empty(self._shape, self.dtype, self.group)
-        return shard.gather(dst)
-
-    def __repr__(self) -> str:
-        return f"_TensorParallelChunk({self.inner!r}, shape={tuple(self._shape)})"
 
 
 class GeminiCheckpointIO(CheckpointIO):
@@ -282,7 +205,6 @@ class GeminiCheckpointIO(CheckpointIO):
     def _gemini_state(self, gemini: GeminiDDP, gatherer: ChunkGatherer) -> dict[str, Any]:
         """Managed parameters chunk by chunk (each once), then the persistent buffers."""
         state: dict[str, Any] = dict(model_shards(gemini, gatherer))
-        state = {n: self._tp_view(t) for n, t in state.items()}
         params = {id(p) for p in gemini.module.parameters()}
         for name, value in gemini.module.state_dict(keep_vars=True).items():
             if name not in state and id(value) not in params and isinstance(value, torch.Tensor):
@@ -290,13 +212,12 @@ class GeminiCheckpointIO(CheckpointIO):
         return state
 
     def _buffer(self, value: torch.Tensor) -> Any:
-        """A buffer as saved: itself, or (split over tp) its part from dp rank 0."""
+        """A buffer as saved: itself, or (split over tp) its part, alike over ``dp_shard``."""
         spec = shard_spec(value)
         if spec is None or self.parallel_dims is None:
             return value.detach()
-        if self.parallel_dims.coordinate("dp_shard") == 0:
-            return LocalShard(value.detach(), spec.part, spec.shape, self.group)
-        return _empty(spec.shape, value.dtype, self.group)
+        alike = Placement("dp", Replicate(), self.parallel_dims.group("dp_shard"))
+        return LocalShard(value.detach(), (*spec.placements, alike), spec.shape)
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """A Gemini model's parameters as ``ChunkTensor`` (tied ones once) and its buffers."""
@@ -409,7 +330,7 @@ class GeminiCheckpointIO(CheckpointIO):
             if source is None:
                 missing.append(names[0])
                 continue
-            _check_shape(reader, source, _whole_shape(chunk, p), reader.directory)
+            _check_shape(reader, source, tuple(ChunkTensor(chunk, p).shape), reader.directory)
             chosen.append((chunk, p, source))
         plain: dict[str, torch.Tensor] = {}
         for name, buf in buffers.items():
@@ -430,7 +351,8 @@ class GeminiCheckpointIO(CheckpointIO):
             for chunk, p, source in chosen:
                 start, stop, _ = chunk.tensor_shard(p, source="master")
                 if stop > start:
-                    load_piece(chunk, p, _read_range(reader, source, chunk, p, start, stop))
+                    load_piece(chunk, p, _read_piece(reader, source, gemini.chunk_manager,
+                                                     chunk, p))
             refresh_chunks(gemini.chunk_manager)  # collective: every rank, same chunks
             for name, buf in plain.items():
                 buf.copy_(reader.read(name).reshape(buf.shape))
@@ -452,8 +374,7 @@ class GeminiCheckpointIO(CheckpointIO):
         names = param_names(gemini)
         position = {n: i for i, n in enumerate(names)}
         shards = optimizer_shards(gemini, gatherer)
-        state = {position[name]: {k: self._tp_view(v) for k, v in entries.items()}
-                 for name, entries in shards.items()}
+        state = {position[name]: dict(entries) for name, entries in shards.items()}
         groups, start = [], 0
         for group, group_names in zip(gemini.optim.param_groups, gemini.param_names or (),
                                       strict=True):
@@ -472,14 +393,8 @@ class GeminiCheckpointIO(CheckpointIO):
         out: dict[int, ShardedTensor] = {}
         for i, name in enumerate(param_names(gemini)):
             p = manager.param(name)
-            out[i] = self._tp_view(ChunkTensor(manager.chunk_of(p), p))
+            out[i] = ChunkTensor(manager.chunk_of(p), p, manager=manager)
         return out
-
-    def _tp_view(self, value: Any) -> Any:
-        """``value`` over the whole job when it is a chunk tensor next to tensor parallelism."""
-        if self.parallel_dims is None or not isinstance(value, ChunkTensor):
-            return value
-        return _TensorParallelChunk(value, self.parallel_dims, self.group)
 
     def _save_optimizer(
         self,
@@ -547,13 +462,13 @@ class GeminiCheckpointIO(CheckpointIO):
             if view is None:
                 return _SKIP  # this rank holds none of the parameter (or it is frozen)
             chunk = manager.chunk_of(manager.param(param))
-            shape = _whole_shape(chunk, view.param)
+            shape = tuple(ChunkTensor(chunk, view.param).shape)
             if stored != shape:
                 raise CheckpointError(
                     f"optimizer state {key!r} has shape {stored} in the checkpoint but the "
                     f"parameter has {shape}: the checkpoint belongs to another model"
                 )
-            return _read_range(reader, key, chunk, view.param, view.start, view.stop)
+            return _read_piece(reader, key, manager, chunk, view.param)
 
         indexed = named_to_indexed(meta, reader.weight_map, names, read)
         state: dict[str, Any] = {}
@@ -569,24 +484,11 @@ class GeminiCheckpointIO(CheckpointIO):
         gemini.load_state_dict({"state": state, "param_groups": groups, "loss_scaler": scaler})
 
 
-def _whole_shape(chunk: Any, param: nn.Parameter) -> tuple[int, ...]:
-    """The shape of the whole tensor ``param`` is (a part of, when split over tp)."""
-    spec = shard_spec(param)
-    return tuple(spec.shape) if spec is not None else tuple(chunk.infos[param].shape)
-
-
-def _read_range(
-    reader: TensorReader, name: str, chunk: Any, param: nn.Parameter, start: int, stop: int
+def _read_piece(
+    reader: TensorReader, name: str, manager: Any, chunk: Any, param: nn.Parameter
 ) -> torch.Tensor:
-    """Elements ``[start, stop)`` of ``param`` as held (its tensor-parallel part, padded)."""
-    spec = shard_spec(param)
-    if spec is None:
-        return reader.read_part(name, FlatRange(start, stop))
-    part = reader.read_part(name, spec.part)
-    local = torch.zeros(chunk.infos[param].shape, dtype=part.dtype)  # padding stays zero
-    held = spec.part.real(local)
-    held.copy_(part.reshape(held.shape))
-    return local.reshape(-1)[start:stop]
+    """This rank's piece of ``param`` (its flat range of its local tensor, padding zero)."""
+    return reader.read_part(name, ChunkTensor(chunk, param, manager=manager).part)
 
 
 def _check_shape(reader: TensorReader, name: str, shape: tuple[int, ...], where: str) -> None:

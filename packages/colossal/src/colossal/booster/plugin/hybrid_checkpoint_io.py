@@ -8,8 +8,8 @@ one, so the saver plans the same files everywhere and gathers each tensor only t
 writing it. A tied weight held by two stages is saved once, under its first name, as every
 other plugin saves it. Loading reads into each held tensor only its part, under whichever of
 its names the checkpoint uses. Optimizer states go the same way
-(:mod:`.hybrid_optimizer_state`): ZeRO shards gathered over the data-parallel group to the
-stage's first replica, then to their writer.
+(:mod:`.hybrid_optimizer_state`): ZeRO's states, placed along pp, tp and dp, gathered axis
+by axis to their writer.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from colossal.booster.plugin.hybrid_optimizer_state import (
-    ReplicaState,
     empty_part,
     merge_meta,
     read_held_state,
     select_groups,
-    whole_shape,
+    stage_state,
 )
 from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointError, TensorReader, read_index
@@ -38,7 +38,7 @@ from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_in
 from colossal.checkpoint_io.sharded import marked_state_dict
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import Block, LocalShard, OptimizerWrapper, shard_spec
-from colossal.core.comm import all_gather_object, group_ranks
+from colossal.core.comm import all_gather_object
 from colossal.zero import sharded_params
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,16 @@ class HybridCheckpointIO(ZeroCheckpointIO):
     Args:
         replica: Whether this rank is its stage's first data-parallel replica (it writes).
         layout: ``(tp_size, pp_size)``; with both 1, optimizer checkpoints are ZeRO's.
+        pp_group: The pipeline group (None without pipeline parallelism).
     """
 
-    def __init__(self, replica: bool, layout: tuple[int, int]) -> None:
+    def __init__(self, replica: bool, layout: tuple[int, int],
+                 pp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.replica = replica
         self.layout = layout
+        self.pp_group = pp_group
+        self.stage = dist.get_rank(pp_group) if pp_group is not None else 0
         self.canonical: dict[str, str] = {}
         self.names: dict[str, list[str]] = {}
 
@@ -166,27 +170,30 @@ class HybridCheckpointIO(ZeroCheckpointIO):
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
         local, meta = indexed_to_named(self.optimizer_state(optimizer), names)
         params = {names[i]: ref.slot.param for i, ref in sharded_params(optimizer).items()}
-        replica = group_ranks(optimizer.dp_group)[0]
+        stage = self.stage
         mine = []
         for key, value in local.items():
-            param = params.get(key.rpartition(".")[0])
-            shape = whole_shape(param, value) if param is not None else tuple(value.shape)
-            mine.append((key, shape, str(value.dtype)))
+            mine.append((key, tuple(value.shape), str(value.dtype).removeprefix("torch.")))
         tensors: dict[str, Any] = {}
-        for entries in all_gather_object(mine):
+        for owner, entries in enumerate(self._by_stage(all_gather_object((stage, mine)))):
             for key, shape, dtype in entries:
-                if key not in tensors:
-                    held = local.get(key)
-                    tensors[key] = ReplicaState(
-                        held, params.get(key.rpartition(".")[0]), shape,
-                        getattr(torch, dtype.split(".")[-1]), replica if held is not None else None,
-                    )
+                if key not in tensors:  # a tied weight's state: its first stage's copy
+                    tensors[key] = stage_state(local.get(key), owner, self.pp_group, shape,
+                                               getattr(torch, dtype), owner == stage)
         shapes = {n: tuple(_shape(p)) for n, p in params.items()}
         self.saver.save(
             tensors, checkpoint, "optimizer", OPTIMIZER_INDEX,
             size_per_shard if shard else float("inf"), extra=merge_meta(meta, shapes),
             gather=self.to_full,
         )
+
+    @staticmethod
+    def _by_stage(gathered: Sequence[tuple[int, Any]]) -> list[Any]:
+        """Every rank's ``(stage, entries)`` as one entries list per stage, in stage order."""
+        stages: dict[int, Any] = {}
+        for stage, entries in gathered:
+            stages.setdefault(stage, entries)
+        return [stages.get(s, []) for s in range(max(stages, default=-1) + 1)]
 
     def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
         """Load any plugin's optimizer checkpoint into this rank's states (collective).
@@ -210,8 +217,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
 
         def read(param: str, key: str) -> Any:
             ref = refs.get(position[param])
-            return reader.read(key) if ref is None else read_held_state(
-                reader, ref.slot.param, ref, key)
+            return reader.read(key) if ref is None else read_held_state(reader, ref, key)
 
         state = named_to_indexed(select_groups(index, names), index["weight_map"], names, read,
                                  keep=self.keep_states)

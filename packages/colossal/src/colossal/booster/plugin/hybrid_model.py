@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from colossal.core import ModelWrapper, shard_spec
+from colossal.core import (
+    ModelWrapper,
+    Placement,
+    Replicate,
+    mark_sharded,
+    shard_spec,
+    whole_shape,
+)
 
 __all__ = [
     "HybridParallelModel",
@@ -24,7 +32,7 @@ __all__ = [
     "first_names",
     "held_parameters",
     "named_held",
-    "replicated_over_tp",
+    "mark_tied",
     "repoint_by_alias",
     "shard_and_repoint",
 ]
@@ -107,14 +115,17 @@ def shard_and_repoint(
     return module, shared, list(by_param.values())
 
 
-def replicated_over_tp(module: nn.Module, tp_rank: int) -> list[nn.Parameter]:
-    """Trainable parameters every tensor-parallel rank holds whole, on tp ranks other than 0.
+def mark_tied(pairs: Sequence[tuple[torch.Tensor, ProcessGroup]]) -> None:
+    """Record each weight tied across pipeline stages as replicated over its stages.
 
-    Their gradients are equal over the group: a global gradient norm counts them on rank 0.
+    The gradient norm then counts it on its first stage only (its copies hold the same
+    gradient after the schedule sums them); its other placements (a tensor-parallel block)
+    are kept.
     """
-    if tp_rank == 0:
-        return []
-    return [p for p in held_parameters(module) if p.requires_grad and shard_spec(p) is None]
+    for param, group in pairs:
+        spec = shard_spec(param)
+        own = tuple(p for p in spec.placements if p.axis != "pp") if spec is not None else ()
+        mark_sharded(param, (Placement("pp", Replicate(), group), *own), whole_shape(param))
 
 
 def first_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:

@@ -1,11 +1,10 @@
 """Optimizer checkpoints of hybrid-parallel layouts: ZeRO shards of tensor-parallel parts.
 
-A rank's optimizer state of a parameter is a ZeRO shard (a flat range, over the data-parallel
-group) of the state of this rank's tensor-parallel part of the parameter, and only the
-ranks of the parameter's pipeline stage hold it. Saving gathers each state first over the
-data-parallel group to the stage's first replica, which then holds the tensor-parallel part
-whole, and from there over the job to the rank writing it (:class:`ReplicaState`).
-Loading reads a rank's tensor-parallel part of each stored state and keeps its ZeRO range.
+A rank's optimizer state of a parameter is ZeRO's ``StateRef``: placed along the pipeline
+axis (its stage owns it), the tensor-parallel axis (its block, or replicated) and the
+data-parallel axis (its flat range). Saving gathers it axis by axis to the rank writing it
+(:func:`stage_state`: the other stages join as :class:`colossal.core.Absent`); loading reads
+the part the placements compose to and keeps its ZeRO range (:func:`read_held_state`).
 """
 
 from __future__ import annotations
@@ -16,16 +15,24 @@ from typing import Any
 import torch
 
 from colossal.checkpoint_io import CheckpointError
-from colossal.core import Block, FlatRange, LocalShard, ShardedTensor, shard_spec
+from colossal.core import (
+    Absent,
+    Block,
+    FlatRange,
+    LocalShard,
+    Owned,
+    Placed,
+    Placement,
+    Replicated,
+)
 from colossal.core.comm import all_gather_object
 
 __all__ = [
-    "ReplicaState",
     "empty_part",
     "merge_meta",
     "read_held_state",
     "select_groups",
-    "whole_shape",
+    "stage_state",
 ]
 
 
@@ -37,67 +44,30 @@ def empty_part(shape: Sequence[int], dtype: torch.dtype) -> LocalShard:
     return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape)
 
 
-class ReplicaState:
-    """A parameter's optimizer state as this rank's part of it over the whole job.
+def stage_state(value: Any, owner: int, pp_group: Any, shape: Sequence[int],
+                dtype: torch.dtype, mine: bool) -> Any:
+    """A state as the save sees it: owned by pipeline stage ``owner`` along ``"pp"``.
+
+    This rank's ZeRO state (a ``StateRef``, placed along tp and dp as its parameter) when its
+    stage is the owner; otherwise an :class:`colossal.core.Absent` that joins the gather. A
+    tied weight's copy on another stage counts as absent: the owner's copy is saved.
 
     Args:
-        value: This rank's state (a ZeRO ``StateRef`` or a tensor every replica holds), or
-            None when this rank's stage does not hold the parameter.
-        param: The parameter (its tensor-parallel mark gives the part), or None.
+        value: This rank's state of the parameter (None when it holds none).
+        owner: The pipeline coordinate of the stage whose copy is saved.
+        pp_group: The pipeline group (None without pipeline parallelism).
         shape: The state's whole shape.
-        dtype: The state's dtype.
-        replica: The global rank of this stage's first data-parallel replica, or None.
+        dtype: Its dtype.
+        mine: Whether this rank's stage is ``owner``.
     """
-
-    def __init__(self, value: Any, param: torch.Tensor | None, shape: Sequence[int],
-                 dtype: torch.dtype, replica: int | None) -> None:
-        self.value, self.param, self.replica = value, param, replica
-        self._shape, self._dtype = torch.Size(shape), dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        """The whole state's shape."""
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The state's dtype."""
-        return self._dtype
-
-    @property
-    def part(self) -> Block:
-        """Nothing is written in place (always a non-whole block)."""
-        return Block((0,) * len(self._shape), (0, *self._shape[1:])) if self._shape \
-            else Block((), ())
-
-    def local(self) -> torch.Tensor:
-        """Not used: the state is gathered whole by :meth:`gather`."""
-        raise NotImplementedError("ReplicaState is only gathered")
-
-    def gather(self, dst: int | None = None) -> torch.Tensor | None:
-        """The whole state on global rank ``dst`` (collective over the job)."""
-        import torch.distributed as dist
-
-        held = None
-        if self.value is not None:
-            held = self.value
-            if isinstance(held, ShardedTensor) and not isinstance(held, torch.Tensor):
-                held = held.gather(self.replica)  # over the data-parallel group
-        if held is None or dist.get_rank() != self.replica:
-            return empty_part(self._shape, self._dtype).gather(dst)
-        spec = shard_spec(self.param) if self.param is not None else None
-        if spec is not None and tuple(held.shape) == tuple(self.param.shape):
-            return LocalShard(held, spec.part, self._shape).gather(dst)
-        return LocalShard(held.reshape(self._shape), Block.whole(self._shape),
-                          self._shape).gather(dst)
-
-
-def whole_shape(param: torch.Tensor, value: Any) -> tuple[int, ...]:
-    """The global shape of a state ``value`` of ``param`` (a parameter-shaped state is whole)."""
-    spec = shard_spec(param)
-    if tuple(value.shape) == tuple(param.shape) and spec is not None:
-        return tuple(spec.shape)
-    return tuple(value.shape)
+    if pp_group is None:  # no pipeline: every rank holds its part of every state
+        return value if isinstance(value, Placed) else Replicated(value)
+    along = Placement("pp", Owned(owner), pp_group)
+    if not mine or value is None:
+        return Absent(shape, dtype, (along,))
+    if isinstance(value, Placed):
+        return value.along(along)
+    return LocalShard(value.reshape(shape), (along,), shape)  # a whole, replicated state
 
 
 def merge_meta(meta: dict[str, Any], shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
@@ -116,17 +86,16 @@ def merge_meta(meta: dict[str, Any], shapes: Mapping[str, Sequence[int]]) -> dic
             "param_shapes": {n: list(s) for n, s in merged_shapes.items()}}
 
 
-def read_held_state(
-    reader: Any, param: torch.Tensor, layout: Any, key: str
-) -> Any:
-    """This rank's ZeRO range of its tensor-parallel part of the stored state ``key``.
+def read_held_state(reader: Any, ref: Any, key: str) -> Any:
+    """This rank's part of the stored state ``key``, laid out as ZeRO's ``ref`` keeps it.
+
+    Reads only the part the ref's placements compose to (its tensor-parallel block, then its
+    flat range; scalars and states of their own shape whole).
 
     Raises:
         CheckpointError: The stored state has another shape than the parameter.
     """
-    stored = tuple(reader.shape(key))
-    spec = shard_spec(param)
-    whole = tuple(spec.shape) if spec is not None else tuple(param.shape)
+    stored, whole = tuple(reader.shape(key)), tuple(ref.shape)
     if not stored or stored != whole:
         if stored and len(stored) == len(whole):
             raise CheckpointError(
@@ -134,16 +103,7 @@ def read_held_state(
                 f"parameter has {whole}: the checkpoint belongs to another model"
             )
         return reader.read(key)  # scalars (step) and states of their own shape
-    if spec is None:
-        local = reader.read(key)
-    else:  # the tensor-parallel part, in a tensor of the parameter's (maybe padded) shape
-        data = reader.read_part(key, spec.part)
-        local = torch.zeros(param.shape, dtype=data.dtype)
-        real = spec.part.real(local)
-        real.copy_(data.reshape(real.shape))
-    flat = local.reshape(-1)
-    part = layout.part
-    return LocalShard(flat[part.start : part.stop], part, layout.shape)
+    return LocalShard(reader.read_part(key, ref.part).reshape(-1), ref.placements, ref.shape)
 
 
 def select_groups(meta: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:

@@ -19,9 +19,11 @@ averages over ``dp x sp`` (``all_to_all``, ``ring_attn``: the average of the sca
 is their sum); the data-parallel
 reduction runs in ZeRO's buckets during the (last) backward; tied weights on two pipeline
 stages are summed by the schedule after the backward (sums commute, so every copy ends with
-the full gradient). The global gradient norm counts each parameter once: a gradient
-replicated over the tensor-parallel group on its first rank only, a tied weight on its first
-stage only.
+the full gradient). The global gradient norm is colossal.core's over each parameter's
+placements, so it counts each element once: ZeRO is told the tp and pp groups (a parameter
+without a tensor-parallel record is replicated over tp, and owned by its stage along pp),
+and a weight tied across stages is recorded as replicated over its stages (counted on the
+first).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from colossal.booster.plugin.hybrid_model import (
     HybridParallelModel,
     cast_floats,
     first_names,
-    replicated_over_tp,
+    mark_tied,
     shard_and_repoint,
 )
 from colossal.checkpoint_io import CheckpointIO
@@ -245,7 +247,8 @@ class HybridParallelPlugin(DPPluginBase):
         }
         self.schedule: Any = None
         replica = dims.coordinate(("dp", "sp") if cfg.sp_group_of_its_own else "dp") == 0
-        self._checkpoint_io = HybridCheckpointIO(replica, (tp_size, pp_size))
+        self._checkpoint_io = HybridCheckpointIO(replica, (tp_size, pp_size),
+                                                 self.pp_group if pp_size > 1 else None)
         if zero_stage == 0 and dims.dp > 1:
             logger.info("zero_stage=0: gradients are reduced through ZeRO-1's buckets")
 
@@ -390,12 +393,12 @@ class HybridParallelPlugin(DPPluginBase):
         self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
         if self.stage_manager is not None:
             self.schedule = self._schedule(shared)
+            mark_tied(self.schedule.shared_params.pairs())
         self._sum_partial_grads(module)
         if optimizer is not None:
             names = first_names(optimizer, module)
             optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
             optimizer.set_param_names(names)
-            optimizer.exclude_from_norm(self._counted_elsewhere(module, shared, optimizer))
             self._checkpoint_io.optimizers.append(optimizer)
         wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
         if peft_model is not None:
@@ -432,20 +435,6 @@ class HybridParallelPlugin(DPPluginBase):
 
         zero_ranks = set(group_ranks(self.zero_group))
         register_partial_grad_hooks(module, averaged=lambda ranks: set(ranks) <= zero_ranks)
-
-    def _counted_elsewhere(
-        self, module: nn.Module, shared: Any, optimizer: LowLevelZeroOptimizer
-    ) -> list[torch.Tensor]:
-        """Parameters whose gradient another rank of tp x pp counts in the global norm."""
-        tp_rank = dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
-        skip = {id(p): p for p in replicated_over_tp(module, tp_rank)}
-        if self.stage_manager is not None:
-            stage = self.stage_manager.stage
-            for mapping in shared:
-                if len(mapping) > 1 and stage in mapping and stage != min(mapping):
-                    p = mapping[stage]
-                    skip[id(p)] = p  # a tied copy: counted on its first stage
-        return [p for p in skip.values() if optimizer.manages(p)]
 
     def execute_pipeline(
         self,

@@ -26,7 +26,6 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from colossal.booster.plugin.base import (
@@ -72,26 +71,12 @@ class TorchFSDPModel(ModelWrapper):
 
 
 class TorchFSDPOptimizer(OptimizerWrapper):
-    """An optimizer over DTensor parameters; norms are global over the mesh."""
+    """An optimizer over DTensor parameters.
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
-
-    def get_grad_norm(self, norm_type: float = 2.0) -> float:
-        """Global gradient norm over all shards (collective)."""
-        grads = self._grads()
-        if not grads:
-            return 0.0
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip to a global norm (collective); returns the norm before clipping."""
-        if max_norm <= 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        params = [p for p in self._params() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    Its norm and clipping are :class:`colossal.core.OptimizerWrapper`'s, the one global norm
+    of :mod:`colossal.core.grad_norm`: each DTensor gradient counts its shard (its mesh
+    dimensions are its placements), collective over the job.
+    """
 
 
 def _lazy_recipes(model: nn.Module) -> dict[str, torch.Tensor]:

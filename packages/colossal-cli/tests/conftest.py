@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -29,3 +30,23 @@ def cli_env() -> dict[str, str]:
 @pytest.fixture
 def colossal_cmd() -> list[str]:
     return [sys.executable, "-m", "colossal.cli.main"]
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` restoring SIGINT's default action in a child process.
+
+    A test run started in the background of a non-interactive shell (``nohup cmd &``) ignores
+    SIGINT, and children inherit that; a child that must stop on SIGINT needs it back.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (as a restarted torchrun would)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True

@@ -22,8 +22,8 @@ from colossal.cli.run_command import check_user_script
 def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[object]:
     """Run in an empty directory and record what would have been started."""
     calls: list[object] = []
-    monkeypatch.setattr(run_command, "run_local", lambda argv: calls.append(argv) or 0)
-    monkeypatch.setattr(run_command, "run_nodes", lambda nodes: calls.append(nodes) or 0)
+    monkeypatch.setattr(run_command, "run_local", lambda argv, *_, **__: calls.append(argv) or 0)
+    monkeypatch.setattr(run_command, "run_nodes", lambda nodes, *_, **__: calls.append(nodes) or 0)
     monkeypatch.chdir(tmp_path)
     return calls
 

@@ -51,6 +51,7 @@ def test_multi_node_exact_commands() -> None:
         ]  # fmt: skip
         assert argv[-1] == (
             "cd '/w d' && export NCCL_DEBUG=INFO PATH=/usr/bin PYTHONPATH='/a b' && exec "
+            f"{PY} -m colossal.cli.watchdog --grace 10 -- "
             f"{PY} -m torch.distributed.run --nproc_per_node=4 --nnodes=2 --node_rank={rank} "
             "--master_addr=host1 --master_port=1234 train.py --epochs 2"
         )
@@ -171,7 +172,8 @@ def test_include_through_the_built_commands(tmp_path) -> None:
     for rank, (host, argv) in enumerate(plan.nodes):
         assert argv[-2] == host
         assert argv[-1] == (
-            f"cd /w && exec {PY} -m torch.distributed.run --nproc_per_node=4 --nnodes=2 "
+            f"cd /w && exec {PY} -m colossal.cli.watchdog --grace 10 -- "
+            f"{PY} -m torch.distributed.run --nproc_per_node=4 --nnodes=2 "
             f"--node_rank={rank} --master_addr=h2 --master_port=2000 t.py --x"
         )
     plan = plan_launch("t.py", host="h1,h2,h3", include="h3", master_addr="h3", environ={})

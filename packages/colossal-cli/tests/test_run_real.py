@@ -8,7 +8,7 @@ import textwrap
 import time
 from collections.abc import Iterable
 
-from conftest import cli_env, free_port
+from conftest import cli_env, default_sigint, free_port
 
 from colossal.cli.node_runner import run_nodes
 
@@ -111,8 +111,11 @@ def test_ctrl_c_stops_every_node(tmp_path) -> None:
                             ("b", [sys.executable, "-c", sleeper("pid_b")])]))
     """)
     )
+    # default_sigint: the driver must stop on SIGINT even when this test run ignores SIGINT
+    # (started in the background of a non-interactive shell: `nohup bash .ci/run &`).
     proc = subprocess.Popen([sys.executable, str(driver)], env=cli_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=default_sigint)  # fmt: skip
     _wait_for(tmp_path / "pid_a")
     _wait_for(tmp_path / "pid_b")
     pids = {name: int((tmp_path / f"pid_{name}").read_text()) for name in "ab"}
@@ -143,7 +146,7 @@ def test_ctrl_c_stops_local_run(tmp_path, colossal_cmd) -> None:
     cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+                            stderr=subprocess.STDOUT, preexec_fn=default_sigint)  # fmt: skip
     _wait_for(tmp_path / "rank0")
     _wait_for(tmp_path / "rank1")
     pids = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]

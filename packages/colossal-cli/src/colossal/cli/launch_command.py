@@ -17,6 +17,7 @@ from colossal.cli.hostfile import HostInfo
 
 __all__ = [
     "NOT_FORWARDED_ENV_NAMES",
+    "STOP_GRACE",
     "NOT_FORWARDED_ENV_PREFIXES",
     "LaunchSpec",
     "build_node_commands",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
+#: Seconds a job's processes get between SIGTERM and SIGKILL when it is stopped (default).
+STOP_GRACE = 10.0
 
 #: Variables never forwarded to remote nodes: they describe this host, this login session or
 #: this terminal, or are set per node/process by the shell, ssh, a job scheduler or torchrun.
@@ -71,6 +74,8 @@ class LaunchSpec:
         module: Run ``user_script`` as ``python -m user_script``.
         extra_launch_args: Additional torchrun options, e.g. ``("--max_restarts=1",)``.
         python: The Python executable that runs torchrun (this interpreter by default).
+        stop_grace: Seconds the job's processes get between SIGTERM and SIGKILL when the job
+            is stopped (a failed node, Ctrl-C, the launcher or its ssh connection gone).
     """
 
     user_script: str
@@ -81,6 +86,7 @@ class LaunchSpec:
     module: bool = False
     extra_launch_args: tuple[str, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
+    stop_grace: float = STOP_GRACE
 
     def __post_init__(self) -> None:
         if not self.user_script:
@@ -89,6 +95,10 @@ class LaunchSpec:
             raise ValueError(f"--nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"--master_port must be in 1..65535, got {self.master_port}")
+        if not self.stop_grace > 0:
+            raise ValueError(
+                f"--stop_grace must be a positive number of seconds, got {self.stop_grace}"
+            )
 
 
 def parse_extra_launch_args(text: str | None) -> tuple[str, ...]:
@@ -196,7 +206,11 @@ def build_node_commands(
     workdir: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> list[tuple[str, list[str]]]:
-    """One ``ssh host 'cd ... && export ... && python -m torch.distributed.run ...'`` per node.
+    """One ``ssh host 'cd ... && export ... && exec <watchdog> -- <torchrun>'`` per node.
+
+    ``<watchdog>`` is ``python -m colossal.cli.watchdog --grace S``: it stops torchrun and its
+    ranks when the ssh connection drops (the remote terminal hangs up) or its sshd session
+    ends, so colossal-cli must be importable by ``spec.python`` on every node.
 
     Args:
         spec: What to launch; its ``master_addr`` is ignored in favour of the checked one.
@@ -221,11 +235,12 @@ def build_node_commands(
     spec = LaunchSpec(**{**spec.__dict__, "master_addr": master})
     out = []
     for rank, (host, nproc) in enumerate(zip(hosts, nprocs, strict=True)):
-        torchrun = shlex.join(build_torchrun_command(spec, len(hosts), rank, nproc))
+        watchdog = [spec.python, "-m", "colossal.cli.watchdog", "--grace", f"{spec.stop_grace:g}"]
+        torchrun = build_torchrun_command(spec, len(hosts), rank, nproc)
         remote = f"cd {shlex.quote(workdir)} && "
         if exports:
             remote += f"export {exports} && "
-        remote += f"exec {torchrun}"
+        remote += f"exec {shlex.join([*watchdog, '--', *torchrun])}"
         ssh = ["ssh", "-tt", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
         if ssh_port is not None:
             ssh += ["-p", str(ssh_port)]

@@ -15,6 +15,7 @@ import click
 from colossal.cli.hostfile import HostInfo, filter_hosts, parse_host_list, parse_hostfile
 from colossal.cli.launch_command import (
     LOOPBACK,
+    STOP_GRACE,
     LaunchSpec,
     build_node_commands,
     build_torchrun_command,
@@ -85,6 +86,7 @@ def plan_launch(
     module: bool = False,
     workdir: str | None = None,
     environ: dict[str, str] | None = None,
+    stop_grace: float = STOP_GRACE,
 ) -> LaunchPlan:
     """Validate ``colossal run``'s options and build its commands (nothing is started).
 
@@ -102,14 +104,14 @@ def plan_launch(
         slots = hosts[0].slots if hosts else None
         spec = LaunchSpec(
             user_script, tuple(user_args), nproc_per_node or slots or 1,
-            master_addr or "127.0.0.1", master_port, module, extra,
+            master_addr or "127.0.0.1", master_port, module, extra, stop_grace=stop_grace,
         )  # fmt: skip
         return LaunchPlan(build_torchrun_command(spec), [])
     if len(hosts) == 1 and master_addr is None:
         master_addr = hosts[0].hostname  # one remote node rendezvouses with itself
     spec = LaunchSpec(
         user_script, tuple(user_args), nproc_per_node or 1, master_addr or "", master_port,
-        module, extra,
+        module, extra, stop_grace=stop_grace,
     )  # fmt: skip
     nodes = build_node_commands(spec, hosts, nproc_per_node, ssh_port, workdir, environ)
     return LaunchPlan(None, nodes)
@@ -224,6 +226,8 @@ def misplaced_option_error(user_script: str, known_options: list[str]) -> str | 
 @click.option("--ssh-port", "--ssh_port", type=int, default=None, help="Port of ssh on the nodes.")
 @click.option("--extra_launch_args", "--extra-launch-args",
               help="More torchrun options as key=value[,key=value].")  # fmt: skip
+@click.option("--stop_grace", "--stop-grace", type=float, default=STOP_GRACE, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when the job is stopped.")  # fmt: skip
 @click.option("-m", "module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
 @click.option("--dry_run", "--dry-run", is_flag=True,
               help="Print the commands, start nothing (the script is not checked).")  # fmt: skip
@@ -240,6 +244,7 @@ def run(
     master_port: int,
     ssh_port: int | None,
     extra_launch_args: str | None,
+    stop_grace: float,
     module: bool,
     dry_run: bool,
     user_script: str,
@@ -260,7 +265,7 @@ def run(
             user_script, user_args, host=host, hostfile=hostfile, include=include,
             exclude=exclude, num_nodes=num_nodes, nproc_per_node=nproc_per_node,
             master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
-            extra_launch_args=extra_launch_args, module=module,
+            extra_launch_args=extra_launch_args, module=module, stop_grace=stop_grace,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -275,6 +280,9 @@ def run(
         for name, argv in plan.nodes:
             click.echo(f"[{name}] {shlex.join(argv)}")
         return
-    code = run_local(plan.local) if plan.local is not None else run_nodes(plan.nodes)
+    if plan.local is not None:
+        code = run_local(plan.local, stop_grace)
+    else:
+        code = run_nodes(plan.nodes, grace=stop_grace)
     if code != 0:
         raise SystemExit(code)

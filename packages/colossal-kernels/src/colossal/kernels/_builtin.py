@@ -21,7 +21,8 @@ def _cpp_check(device_type: str) -> Availability:
     if device_type != "cpu":
         return Availability(False, "CPU tensors only")
     if _jit.is_cached() or _jit.compiler_path() is not None:
-        return Availability(True, f"C++ kernel (-march=native, OpenMP); {_jit.describe_build()}")
+        isa = "AVX-512/AVX2/portable chosen at run time" if _jit.X86 else "-march=native"
+        return Availability(True, f"C++ kernel ({isa}, OpenMP); {_jit.describe_build()}")
     return Availability(False, _jit.describe_build(), degraded=True)
 
 

@@ -1,12 +1,15 @@
 """Just-in-time build of the C++ CPU Adam library, cached on disk.
 
 The source (``csrc/cpu_adam.cpp``) is compiled with ``torch.utils.cpp_extension.load`` into a
-plain shared library (no torch headers, so a build takes seconds) and called through ctypes.
+plain shared library (no torch headers) and called through ctypes. On x86 the library is built
+for the architecture's baseline and picks AVX-512, AVX2 or its portable loop at run time, so
+one build serves every x86 CPU; elsewhere it is built with ``-march=native`` for this CPU.
 The build directory is ``$COLOSSAL_KERNELS_CACHE`` (default ``~/.cache/colossal/kernels``)
 ``/cpu_adam-<key>``, where the key hashes the source, the flags, the compiler, the torch and
-Python versions and the CPU's instruction-set flags, so a cache shared between machines never
-hands out a library built for another CPU. Nothing happens at import; the first optimizer step
-that needs it builds it (or loads the cached build).
+Python versions and the target (the architecture on x86, the CPU's instruction-set flags
+elsewhere), so a cache shared between machines never hands out a library built for another
+CPU. Nothing happens at import; the first optimizer step that needs it builds it (or loads
+the cached build).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ logger = get_logger(__name__)
 
 CACHE_ENV = "COLOSSAL_KERNELS_CACHE"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_adam.cpp"
-ABI_VERSION = 1
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
+ABI_VERSION = 2
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+# x86: runtime dispatch in the source, so no -march (the build runs on any x86 CPU).
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17", *(() if X86 else ("-march=native",)))
 LDFLAGS = ("-fopenmp",)
 _DONE_MARKER = ".complete"
 _lock = threading.Lock()
@@ -57,6 +62,8 @@ def compiler_path() -> str | None:
 
 @lru_cache(maxsize=1)
 def _cpu_signature() -> str:
+    if X86:  # one build serves every x86 CPU (the instruction set is chosen at run time)
+        return platform.machine()
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
@@ -70,7 +77,11 @@ def _cpu_signature() -> str:
 
 
 def build_key() -> str:
-    """Hash identifying one build (source, flags, compiler, torch, Python, CPU)."""
+    """Hash identifying one build (source, flags, compiler, torch, Python, target).
+
+    The instruction set a step runs (``COLOSSAL_CPU_ADAM_ISA``) is chosen at run time and is
+    not part of the key: one build serves them all.
+    """
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, compiler(), torch.__version__, sys.version, _cpu_signature()):
@@ -131,11 +142,14 @@ def _load_locked() -> ctypes.CDLL:
     if lib.colossal_adam_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.colossal_adam_abi_version()}, need {ABI_VERSION}")
     p, f, i64, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int
-    lib.colossal_adam_step.restype = None
+    lib.colossal_adam_step.restype = i32
     lib.colossal_adam_step.argtypes = [
-        i64, p, p, p, p, p, p, p, p, p, p, f, f, f, f, f, i32, f, i32,
+        i64, p, p, p, p, p, p, p, p, p, p, f, f, f, f, f, i32, f, i32, i32,
     ]
-    lib.colossal_adam_simd.restype = i32
+    for fn in (lib.colossal_adam_supported_isas, lib.colossal_adam_last_threads):
+        fn.restype, fn.argtypes = i32, []
+    lib.colossal_adam_resolve_isa.restype = i32
+    lib.colossal_adam_resolve_isa.argtypes = [i32]
     return lib
 
 

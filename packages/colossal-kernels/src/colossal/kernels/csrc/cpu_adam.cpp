@@ -2,24 +2,36 @@
 //
 // One pass per element: read the grad (fp32, fp16 or bf16), multiply by the inverse loss
 // scale, update the fp32 param, exp_avg and exp_avg_sq, and optionally write an fp16/bf16/fp32
-// copy of the updated param. The library exposes a plain C ABI (no torch headers, so it builds
-// in seconds) and is called through ctypes, which releases the GIL for the duration of a call.
-// Work is split into fixed-size chunks across all tensors of a call and shared by OpenMP
-// threads. With AVX-512 the inner loop handles 16 floats per iteration; elsewhere a portable
-// scalar loop (auto-vectorised by the compiler) is used.
+// copy of the updated param. The library exposes a plain C ABI (no torch headers) and is
+// called through ctypes, which releases the GIL for the duration of a call. Work is split into
+// fixed-size chunks across all tensors of a call and shared by OpenMP threads; the caller
+// passes the thread count of every call (torch.get_num_threads(), not OMP_NUM_THREADS).
+//
+// Instruction sets are chosen at run time, so one build (compiled for the baseline of its
+// architecture, no -march=native) serves every CPU of that architecture:
+//   avx512   16 floats per vector (x86 with AVX-512F),
+//   avx2     8 floats per vector, two vectors per iteration (x86 with AVX2, FMA and F16C),
+//   portable a loop specialised per dtype pair that the compiler vectorises for the baseline.
+// The caller may ask for a specific one (the Python side reads COLOSSAL_CPU_ADAM_ISA); every
+// path computes the same formula and rounds fp16/bf16 copies to nearest even.
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__)
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define COLOSSAL_ADAM_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
-#define COLOSSAL_ADAM_AVX512 1
+#define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -27,6 +39,9 @@ namespace {
 constexpr int64_t kChunk = 1 << 15;  // elements per work item (multiple of 16)
 
 enum DType : int32_t { kNone = -1, kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum Isa : int32_t { kAuto = -1, kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+std::atomic<int> g_last_threads{0};
 
 inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -84,162 +99,339 @@ struct TensorArgs {
   float inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^t)
 };
 
-inline float load_grad_scalar(const void* g, int32_t dtype, int64_t i) {
-  switch (dtype) {
-    case kFloat16: return half_to_float(static_cast<const uint16_t*>(g)[i]);
-    case kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
-    default: return static_cast<const float*>(g)[i];
+using RangeFn = void (*)(const TensorArgs&, const Hyper&, int64_t, int64_t);
+
+// ---- portable: one loop per (grad dtype, copy dtype), no per-element dispatch ----------------
+
+template <int G>
+inline float load_grad_scalar(const void* g, int64_t i) {
+  if (G == kFloat16) return half_to_float(static_cast<const uint16_t*>(g)[i]);
+  if (G == kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
+  return static_cast<const float*>(g)[i];
+}
+
+template <int C>
+inline void store_copy_scalar(void* c, int64_t i, float x) {
+  if (C == kFloat16) static_cast<uint16_t*>(c)[i] = float_to_half(x);
+  if (C == kBFloat16) static_cast<uint16_t*>(c)[i] = float_to_bf16(x);
+  if (C == kFloat32) static_cast<float*>(c)[i] = x;
+}
+
+template <int G, int C>
+void portable_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
+  const float b2 = h.beta2, omb1 = 1.0f - h.beta1, omb2 = 1.0f - h.beta2;
+  const float wd = h.weight_decay, decay = 1.0f - h.lr * h.weight_decay;
+  const float scale = h.grad_scale_inv, eps = h.eps;
+  const float step_size = t.step_size, inv_bc2 = t.inv_bc2_sqrt;
+  const bool l2 = !h.adamw_mode && wd != 0.0f;
+  const bool decoupled = h.adamw_mode && wd != 0.0f;
+  float* __restrict__ param = t.param;
+  float* __restrict__ exp_avg = t.exp_avg;
+  float* __restrict__ exp_avg_sq = t.exp_avg_sq;
+  const void* grad = t.grad;
+  void* copy = t.copy;
+  for (int64_t i = begin; i < end; ++i) {
+    float g = load_grad_scalar<G>(grad, i) * scale;
+    float p = param[i];
+    if (l2) g += wd * p;
+    float m = exp_avg[i];
+    m = m + omb1 * (g - m);
+    const float v = b2 * exp_avg_sq[i] + omb2 * g * g;
+    const float denom = std::sqrt(v) * inv_bc2 + eps;
+    if (decoupled) p *= decay;
+    p = p - step_size * (m / denom);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    param[i] = p;
+    store_copy_scalar<C>(copy, i, p);
   }
 }
 
-inline void store_copy_scalar(void* c, int32_t dtype, int64_t i, float x) {
-  switch (dtype) {
-    case kFloat16: static_cast<uint16_t*>(c)[i] = float_to_half(x); break;
-    case kBFloat16: static_cast<uint16_t*>(c)[i] = float_to_bf16(x); break;
-    case kFloat32: static_cast<float*>(c)[i] = x; break;
-    default: break;
+// Picks the instantiation of ``Range<G, C>`` for a tensor's dtypes (C == kNone: no copy).
+template <template <int, int> class Range>
+RangeFn pick(int32_t grad_dtype, int32_t copy_dtype) {
+  static const RangeFn table[3][4] = {
+      {Range<kFloat32, kNone>::run, Range<kFloat32, kFloat32>::run,
+       Range<kFloat32, kFloat16>::run, Range<kFloat32, kBFloat16>::run},
+      {Range<kFloat16, kNone>::run, Range<kFloat16, kFloat32>::run,
+       Range<kFloat16, kFloat16>::run, Range<kFloat16, kBFloat16>::run},
+      {Range<kBFloat16, kNone>::run, Range<kBFloat16, kFloat32>::run,
+       Range<kBFloat16, kFloat16>::run, Range<kBFloat16, kBFloat16>::run},
+  };
+  return table[grad_dtype][copy_dtype + 1];
+}
+
+template <int G, int C>
+struct Portable {
+  static void run(const TensorArgs& t, const Hyper& h, int64_t b, int64_t e) {
+    portable_range<G, C>(t, h, b, e);
+  }
+};
+
+#ifdef COLOSSAL_ADAM_X86
+// ---- AVX2 + FMA + F16C: two 8-float vectors per iteration ------------------------------------
+
+template <int G>
+TARGET_AVX2 inline __m256 avx2_load_grad(const void* g, int64_t i) {
+  if (G == kFloat32) return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  const __m128i raw =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+  if (G == kFloat16) return _mm256_cvtph_ps(raw);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// bf16 bits (round to nearest even, NaN kept quiet) in the low half of each 32-bit lane.
+TARGET_AVX2 inline __m256i avx2_bf16_bits(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+
+template <int C>
+TARGET_AVX2 inline void avx2_store_copy(void* c, int64_t i, __m256 a, __m256 b) {
+  if (C == kFloat32) {
+    _mm256_storeu_ps(static_cast<float*>(c) + i, a);
+    _mm256_storeu_ps(static_cast<float*>(c) + i + 8, b);
+  } else if (C == kFloat16) {
+    __m128i* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(c) + i);
+    _mm_storeu_si128(out, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(out + 1, _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (C == kBFloat16) {
+    // packus works per 128-bit lane: [a0-3 b0-3 a4-7 b4-7]; restore the order.
+    const __m256i packed = _mm256_packus_epi32(avx2_bf16_bits(a), avx2_bf16_bits(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c) + i),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
   }
 }
 
-void scalar_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
-  const float omb1 = 1.0f - h.beta1, omb2 = 1.0f - h.beta2;
-  const float decay = 1.0f - h.lr * h.weight_decay;
+template <int G, int C>
+TARGET_AVX2 void avx2_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
+  const __m256 b2 = _mm256_set1_ps(h.beta2), omb1 = _mm256_set1_ps(1.0f - h.beta1);
+  const __m256 omb2 = _mm256_set1_ps(1.0f - h.beta2), eps = _mm256_set1_ps(h.eps);
+  const __m256 wd = _mm256_set1_ps(h.weight_decay);
+  const __m256 decay = _mm256_set1_ps(1.0f - h.lr * h.weight_decay);
+  const __m256 scale = _mm256_set1_ps(h.grad_scale_inv);
+  const __m256 step_size = _mm256_set1_ps(t.step_size);
+  const __m256 inv_bc2 = _mm256_set1_ps(t.inv_bc2_sqrt);
   const bool l2 = !h.adamw_mode && h.weight_decay != 0.0f;
   const bool decoupled = h.adamw_mode && h.weight_decay != 0.0f;
-  for (int64_t i = begin; i < end; ++i) {
-    float g = load_grad_scalar(t.grad, t.grad_dtype, i) * h.grad_scale_inv;
-    float p = t.param[i];
-    if (l2) g += h.weight_decay * p;
-    float m = t.exp_avg[i];
-    m = m + omb1 * (g - m);
-    float v = h.beta2 * t.exp_avg_sq[i] + omb2 * g * g;
-    const float denom = std::sqrt(v) * t.inv_bc2_sqrt + h.eps;
-    if (decoupled) p *= decay;
-    p = p - t.step_size * (m / denom);
-    t.exp_avg[i] = m;
-    t.exp_avg_sq[i] = v;
-    t.param[i] = p;
-    store_copy_scalar(t.copy, t.copy_dtype, i, p);
+  float* __restrict__ param = t.param;
+  float* __restrict__ exp_avg = t.exp_avg;
+  float* __restrict__ exp_avg_sq = t.exp_avg_sq;
+  int64_t i = begin;
+  const int64_t vec_end = begin + ((end - begin) / 16) * 16;
+  for (; i < vec_end; i += 16) {
+    __m256 p[2], m[2];
+    for (int k = 0; k < 2; ++k) {
+      const int64_t j = i + 8 * k;
+      __m256 g = _mm256_mul_ps(avx2_load_grad<G>(t.grad, j), scale);
+      p[k] = _mm256_loadu_ps(param + j);
+      if (l2) g = _mm256_fmadd_ps(wd, p[k], g);
+      m[k] = _mm256_loadu_ps(exp_avg + j);
+      m[k] = _mm256_fmadd_ps(omb1, _mm256_sub_ps(g, m[k]), m[k]);
+      __m256 v = _mm256_mul_ps(b2, _mm256_loadu_ps(exp_avg_sq + j));
+      v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
+      const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), inv_bc2, eps);
+      if (decoupled) p[k] = _mm256_mul_ps(p[k], decay);
+      p[k] = _mm256_fnmadd_ps(step_size, _mm256_div_ps(m[k], denom), p[k]);
+      _mm256_storeu_ps(exp_avg + j, m[k]);
+      _mm256_storeu_ps(exp_avg_sq + j, v);
+      _mm256_storeu_ps(param + j, p[k]);
+    }
+    if (C != kNone) avx2_store_copy<C>(t.copy, i, p[0], p[1]);
   }
+  if (i < end) portable_range<G, C>(t, h, i, end);
 }
 
-#ifdef COLOSSAL_ADAM_AVX512
-inline __m512 load_grad16(const void* g, int32_t dtype, int64_t i) {
-  if (dtype == kFloat32) return _mm512_loadu_ps(static_cast<const float*>(g) + i);
+template <int G, int C>
+struct Avx2 {
+  static void run(const TensorArgs& t, const Hyper& h, int64_t b, int64_t e) {
+    avx2_range<G, C>(t, h, b, e);
+  }
+};
+
+// ---- AVX-512F: 16 floats per vector ----------------------------------------------------------
+
+template <int G>
+TARGET_AVX512 inline __m512 avx512_load_grad(const void* g, int64_t i) {
+  if (G == kFloat32) return _mm512_loadu_ps(static_cast<const float*>(g) + i);
   const __m256i raw =
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
-  if (dtype == kFloat16) return _mm512_cvtph_ps(raw);
+  if (G == kFloat16) return _mm512_cvtph_ps(raw);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline __m256i to_bf16_16(__m512 x) {
-#if defined(__AVX512BF16__)
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-#else
+// Integer rounding rather than AVX512-BF16's vcvtneps2bf16, which flushes denormals to zero.
+TARGET_AVX512 inline __m256i avx512_to_bf16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   r = _mm512_srli_epi32(r, 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16),
-                                                   _mm512_set1_epi32(0x40)));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
-#endif
 }
 
-inline void store_copy16(void* c, int32_t dtype, int64_t i, __m512 x) {
-  if (dtype == kFloat32) {
+template <int C>
+TARGET_AVX512 inline void avx512_store_copy(void* c, int64_t i, __m512 x) {
+  if (C == kFloat32) {
     _mm512_storeu_ps(static_cast<float*>(c) + i, x);
-  } else if (dtype == kFloat16) {
+  } else if (C == kFloat16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c) + i),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else if (dtype == kBFloat16) {
+  } else if (C == kBFloat16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(c) + i),
-                        to_bf16_16(x));
+                        avx512_to_bf16(x));
   }
 }
 
-void simd_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
-  const __m512 b1 = _mm512_set1_ps(h.beta1), omb1 = _mm512_set1_ps(1.0f - h.beta1);
-  const __m512 b2 = _mm512_set1_ps(h.beta2), omb2 = _mm512_set1_ps(1.0f - h.beta2);
-  const __m512 eps = _mm512_set1_ps(h.eps), wd = _mm512_set1_ps(h.weight_decay);
+template <int G, int C>
+TARGET_AVX512 void avx512_range(const TensorArgs& t, const Hyper& h, int64_t begin,
+                                int64_t end) {
+  const __m512 b2 = _mm512_set1_ps(h.beta2), omb1 = _mm512_set1_ps(1.0f - h.beta1);
+  const __m512 omb2 = _mm512_set1_ps(1.0f - h.beta2), eps = _mm512_set1_ps(h.eps);
+  const __m512 wd = _mm512_set1_ps(h.weight_decay);
   const __m512 decay = _mm512_set1_ps(1.0f - h.lr * h.weight_decay);
   const __m512 scale = _mm512_set1_ps(h.grad_scale_inv);
   const __m512 step_size = _mm512_set1_ps(t.step_size);
   const __m512 inv_bc2 = _mm512_set1_ps(t.inv_bc2_sqrt);
   const bool l2 = !h.adamw_mode && h.weight_decay != 0.0f;
   const bool decoupled = h.adamw_mode && h.weight_decay != 0.0f;
-  (void)b1;
+  float* __restrict__ param = t.param;
+  float* __restrict__ exp_avg = t.exp_avg;
+  float* __restrict__ exp_avg_sq = t.exp_avg_sq;
   int64_t i = begin;
   const int64_t vec_end = begin + ((end - begin) / 16) * 16;
   for (; i < vec_end; i += 16) {
-    __m512 g = _mm512_mul_ps(load_grad16(t.grad, t.grad_dtype, i), scale);
-    __m512 p = _mm512_loadu_ps(t.param + i);
+    __m512 g = _mm512_mul_ps(avx512_load_grad<G>(t.grad, i), scale);
+    __m512 p = _mm512_loadu_ps(param + i);
     if (l2) g = _mm512_fmadd_ps(wd, p, g);
-    __m512 m = _mm512_loadu_ps(t.exp_avg + i);
+    __m512 m = _mm512_loadu_ps(exp_avg + i);
     m = _mm512_fmadd_ps(omb1, _mm512_sub_ps(g, m), m);
-    __m512 v = _mm512_mul_ps(b2, _mm512_loadu_ps(t.exp_avg_sq + i));
+    __m512 v = _mm512_mul_ps(b2, _mm512_loadu_ps(exp_avg_sq + i));
     v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, v);
     const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
     if (decoupled) p = _mm512_mul_ps(p, decay);
     p = _mm512_fnmadd_ps(step_size, _mm512_div_ps(m, denom), p);
-    _mm512_storeu_ps(t.exp_avg + i, m);
-    _mm512_storeu_ps(t.exp_avg_sq + i, v);
-    _mm512_storeu_ps(t.param + i, p);
-    if (t.copy_dtype != kNone) store_copy16(t.copy, t.copy_dtype, i, p);
+    _mm512_storeu_ps(exp_avg + i, m);
+    _mm512_storeu_ps(exp_avg_sq + i, v);
+    _mm512_storeu_ps(param + i, p);
+    if (C != kNone) avx512_store_copy<C>(t.copy, i, p);
   }
-  if (i < end) scalar_range(t, h, i, end);
+  if (i < end) portable_range<G, C>(t, h, i, end);
 }
+
+template <int G, int C>
+struct Avx512 {
+  static void run(const TensorArgs& t, const Hyper& h, int64_t b, int64_t e) {
+    avx512_range<G, C>(t, h, b, e);
+  }
+};
+
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif  // COLOSSAL_ADAM_X86
+
+// Bit i set when Isa i can run here (the OS-usability of AVX state is checked by libgcc).
+int supported_mask() {
+  int mask = 1 << kPortable;
+#ifdef COLOSSAL_ADAM_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    cpu_has_f16c();
+  if (avx2) mask |= 1 << kAvx2;
+  if (avx2 && __builtin_cpu_supports("avx512f")) mask |= 1 << kAvx512;
 #endif
+  return mask;
+}
+
+int resolve(int32_t requested) {
+  static const int mask = supported_mask();
+  if (requested == kAuto) {
+    for (int isa = kAvx512; isa > kPortable; --isa) {
+      if (mask & (1 << isa)) return isa;
+    }
+    return kPortable;
+  }
+  if (requested < kPortable || requested > kAvx512 || !(mask & (1 << requested))) return -1;
+  return requested;
+}
+
+RangeFn range_fn(int isa, int32_t grad_dtype, int32_t copy_dtype) {
+#ifdef COLOSSAL_ADAM_X86
+  if (isa == kAvx512) return pick<Avx512>(grad_dtype, copy_dtype);
+  if (isa == kAvx2) return pick<Avx2>(grad_dtype, copy_dtype);
+#endif
+  (void)isa;
+  return pick<Portable>(grad_dtype, copy_dtype);
+}
 
 }  // namespace
 
 extern "C" {
 
-// Bumped whenever the signature below changes; the loader checks it.
-int colossal_adam_abi_version() { return 1; }
+// Bumped whenever a signature below changes; the loader checks it.
+int colossal_adam_abi_version() { return 2; }
 
-// 1 when the AVX-512 path was compiled in, 0 for the portable scalar loop.
-int colossal_adam_simd() {
-#ifdef COLOSSAL_ADAM_AVX512
-  return 1;
-#else
-  return 0;
-#endif
-}
+// Bit mask of the instruction sets this CPU can run: 1 portable, 2 avx2, 4 avx512.
+int colossal_adam_supported_isas() { return supported_mask(); }
+
+// The instruction set a step asked for ``requested`` runs (-1: auto, the best one), or -1 when
+// that one cannot run here.
+int colossal_adam_resolve_isa(int requested) { return resolve(requested); }
+
+// OpenMP threads of the last step's parallel region (1 when it ran serially).
+int colossal_adam_last_threads() { return g_last_threads.load(); }
 
 // One Adam/AdamW step over n tensors. Arrays have n entries; copies[i] may be null (with
 // copy_dtypes[i] == -1). grad_scale_inv multiplies every grad (1 / loss-scale divisor).
-void colossal_adam_step(int64_t n, const int64_t* numels, float* const* params,
-                        const void* const* grads, float* const* exp_avgs,
-                        float* const* exp_avg_sqs, void* const* copies,
-                        const int32_t* grad_dtypes, const int32_t* copy_dtypes,
-                        const float* step_sizes, const float* inv_bc2_sqrts, float beta1,
-                        float beta2, float eps, float lr, float weight_decay, int adamw_mode,
-                        float grad_scale_inv, int num_threads) {
+// Runs on ``num_threads`` OpenMP threads with instruction set ``isa`` (see resolve); returns
+// the instruction set it ran, or -1 (and touches nothing) when ``isa`` cannot run here.
+int colossal_adam_step(int64_t n, const int64_t* numels, float* const* params,
+                       const void* const* grads, float* const* exp_avgs,
+                       float* const* exp_avg_sqs, void* const* copies,
+                       const int32_t* grad_dtypes, const int32_t* copy_dtypes,
+                       const float* step_sizes, const float* inv_bc2_sqrts, float beta1,
+                       float beta2, float eps, float lr, float weight_decay, int adamw_mode,
+                       float grad_scale_inv, int num_threads, int isa) {
+  const int ran = resolve(isa);
+  if (ran < 0) return -1;
   const Hyper h{beta1, beta2, eps, lr, weight_decay, grad_scale_inv, adamw_mode};
   std::vector<TensorArgs> tensors(static_cast<size_t>(n));
+  std::vector<RangeFn> fns(static_cast<size_t>(n));
   std::vector<std::pair<int64_t, int64_t>> work;  // (tensor, chunk start)
   for (int64_t k = 0; k < n; ++k) {
+    const int32_t copy_dtype = copies[k] ? copy_dtypes[k] : kNone;
     tensors[k] = TensorArgs{params[k],      grads[k],       exp_avgs[k],
                             exp_avg_sqs[k], copies[k],      grad_dtypes[k],
-                            copies[k] ? copy_dtypes[k] : kNone, step_sizes[k],
-                            inv_bc2_sqrts[k]};
+                            copy_dtype,     step_sizes[k],  inv_bc2_sqrts[k]};
+    fns[k] = range_fn(ran, grad_dtypes[k], copy_dtype);
     for (int64_t s = 0; s < numels[k]; s += kChunk) work.emplace_back(k, s);
   }
   const int64_t items = static_cast<int64_t>(work.size());
   if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (items > 1)
-  for (int64_t w = 0; w < items; ++w) {
-    const int64_t k = work[w].first;
-    const int64_t begin = work[w].second;
-    const int64_t end = begin + kChunk < numels[k] ? begin + kChunk : numels[k];
-#ifdef COLOSSAL_ADAM_AVX512
-    simd_range(tensors[k], h, begin, end);
-#else
-    scalar_range(tensors[k], h, begin, end);
+  g_last_threads.store(1);
+#pragma omp parallel num_threads(num_threads) if (items > 1)
+  {
+#ifdef _OPENMP
+    if (omp_get_thread_num() == 0) g_last_threads.store(omp_get_num_threads());
 #endif
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t k = work[w].first;
+      const int64_t begin = work[w].second;
+      const int64_t end = begin + kChunk < numels[k] ? begin + kChunk : numels[k];
+      fns[k](tensors[k], h, begin, end);
+    }
   }
+  return ran;
 }
 
 }  // extern "C"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,18 +93,66 @@ def torch_adam_step(
             c.view_as(p).copy_(p)
 
 
+ISA_ENV = "COLOSSAL_CPU_ADAM_ISA"
+ISAS = ("portable", "avx2", "avx512")  # the C library's codes 0, 1, 2
+
+
+def supported_isas(lib: ctypes.CDLL) -> tuple[str, ...]:
+    """The instruction sets the library can run on this CPU, worst first."""
+    mask = lib.colossal_adam_supported_isas()
+    return tuple(name for code, name in enumerate(ISAS) if mask & (1 << code))
+
+
+def resolve_isa(lib: ctypes.CDLL, isa: str | None = None) -> str:
+    """The instruction set a step asked for ``isa`` runs.
+
+    Args:
+        lib: The loaded library.
+        isa: ``"auto"`` (the best this CPU runs), ``"avx512"``, ``"avx2"`` or ``"portable"``;
+            ``None`` reads ``$COLOSSAL_CPU_ADAM_ISA`` (unset: ``"auto"``).
+
+    Raises:
+        ValueError: An unknown name, or one this CPU cannot run.
+    """
+    requested = isa if isa is not None else os.environ.get(ISA_ENV, "auto")
+    name = requested.strip().lower() or "auto"
+    source = f"isa={requested!r}" if isa is not None else f"{ISA_ENV}={requested!r}"
+    if name != "auto" and name not in ISAS:
+        raise ValueError(f"{source} is not an instruction set of the CPU Adam kernel; use "
+                         f"'auto' or one of {ISAS}")
+    code = lib.colossal_adam_resolve_isa(-1 if name == "auto" else ISAS.index(name))
+    if code < 0:
+        raise ValueError(f"{source}: this CPU cannot run it; it runs {supported_isas(lib)} "
+                         "(or use 'auto')")
+    return ISAS[code]
+
+
 class CppAdam:
     """Calls the C++ library built by :mod:`colossal.kernels._jit` (one call per group).
 
     Args:
         lib: The loaded library.
-        num_threads: OpenMP threads per call; ``None`` follows ``torch.get_num_threads()``.
+        num_threads: OpenMP threads per call; ``None`` follows ``torch.get_num_threads()`` at
+            each call.
+        isa: Instruction set (see :func:`resolve_isa`); ``None`` reads
+            ``$COLOSSAL_CPU_ADAM_ISA`` once, here.
+
+    Attributes:
+        simd: The instruction set the steps run: ``"avx512"``, ``"avx2"`` or ``"portable"``
+            (the compiler's vectorisation of a plain loop for the build's baseline).
     """
 
-    def __init__(self, lib: ctypes.CDLL, num_threads: int | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, num_threads: int | None = None,
+                 isa: str | None = None) -> None:
         self.lib = lib
         self.num_threads = num_threads
-        self.simd = "avx512" if lib.colossal_adam_simd() else "scalar"
+        self.simd = resolve_isa(lib, isa)
+        self._isa_code = ISAS.index(self.simd)
+
+    @property
+    def last_num_threads(self) -> int:
+        """OpenMP threads the library's last step ran on (any instance; 1: serially)."""
+        return int(self.lib.colossal_adam_last_threads())
 
     def __call__(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -111,7 +160,12 @@ class CppAdam:
         copies: Sequence[torch.Tensor | None], steps: Sequence[int], hyper: AdamHyper,
         num_threads: int | None = None,
     ) -> None:
-        """Run one fused update over all tensors (see the module docstring)."""
+        """Run one fused update over all tensors (see the module docstring).
+
+        Runs on ``num_threads``, else the instance's ``num_threads``, else
+        ``torch.get_num_threads()`` read now (so ``torch.set_num_threads`` applies to the
+        next step; ``OMP_NUM_THREADS`` only through torch's own default).
+        """
         n = len(params)
         if n == 0:
             return
@@ -125,13 +179,16 @@ class CppAdam:
         step_sizes = (ctypes.c_float * n)(*(hyper.step_size(s) for s in steps))
         inv_bc2 = (ctypes.c_float * n)(*(1.0 / hyper.bc2_sqrt(s) for s in steps))
         threads = num_threads or self.num_threads or torch.get_num_threads()
-        self.lib.colossal_adam_step(
+        ran = self.lib.colossal_adam_step(
             n, numels, ptrs(*(p.data_ptr() for p in params)),
             ptrs(*(g.data_ptr() for g in grads)), ptrs(*(m.data_ptr() for m in exp_avgs)),
             ptrs(*(v.data_ptr() for v in exp_avg_sqs)), copy_ptrs, grad_codes, copy_codes,
             step_sizes, inv_bc2, hyper.beta1, hyper.beta2, hyper.eps, hyper.lr,
             hyper.weight_decay, int(hyper.adamw_mode), hyper.grad_scale_inv, threads,
+            self._isa_code,
         )
+        if ran != self._isa_code:  # resolved in __init__ on the same CPU: cannot happen
+            raise RuntimeError(f"CPU Adam kernel ran instruction set {ran}, not {self.simd}")
 
 
 def check_adam_tensors(

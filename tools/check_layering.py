@@ -15,6 +15,14 @@ the distribution's packages may import, under the same rules). It reports:
   function (``colossal.cli`` -> the meta-package);
 * ``private``: an import of another distribution's private module or name (a dotted component
   starting with ``_``; dunders such as ``__about__`` and ``__version__`` are public);
+* ``deep-import``: an import of another distribution's module that its package does not
+  export. What counts as exported is written in ``layering_modules.py``: ``colossal.X`` and
+  the submodules its ``__init__`` re-exports (``__all__`` or ``from . import m``), public
+  subpackages (their ``__init__`` defines ``__all__``) and dunder modules, recursively;
+* ``cycle``: a cycle of module-level imports among the modules of one distribution (lazy
+  imports, inside functions or ``if TYPE_CHECKING:``, break cycles; the graph is described in
+  ``layering_cycles.py``). One violation per strongly connected component, at its first
+  module, naming a shortest cycle;
 * ``namespace-init`` / ``namespace-module``: a file directly in the PEP 420 namespace
   ``src/colossal/`` (there must be no ``src/colossal/__init__.py`` anywhere);
 * ``unknown-package`` / ``wrong-distribution``: a package missing from the table, or shipped by
@@ -24,6 +32,10 @@ Handled import forms: ``import colossal.x.y``, ``from colossal.x import y``,
 ``from colossal import x``, relative imports (resolved against the file's module), and
 ``importlib.import_module("colossal.x")`` / ``__import__("colossal.x")`` with a literal name.
 An import counts as lazy when it is inside a function body or an ``if TYPE_CHECKING:`` block.
+
+Known deep imports and cycles that are not fixed yet are listed, each with its reason, in
+``layering_allowlist.py`` (``ALLOWED_DEEP_IMPORTS``, ``ALLOWED_CYCLES``); they are not
+reported. The list is meant to shrink: an entry is removed when its import is fixed.
 
 Exit status: 0 and one ``OK`` line when clean; 1 and one line per violation
 (``path:line: [rule] message``) otherwise; 2 on usage errors.
@@ -37,6 +49,11 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Sibling modules of this script (its directory is sys.path[0] when it runs as a script).
+from layering_allowlist import ALLOWED_CYCLES, ALLOWED_DEEP_IMPORTS
+from layering_cycles import shortest_cycle, strongly_connected
+from layering_modules import ModuleIndex, is_dunder
 
 NAMESPACE = "colossal"
 
@@ -77,7 +94,8 @@ def _layer(
 
 
 # ------------------------------------------------------------------------------------------------
-# THE LAYERING TABLE. Source of truth: /work/shared/DESIGN.md, section "Packages and layering"
+# THE LAYERING TABLE. Source of truth: DESIGN.md (the shared design document), section
+# "Packages and layering"
 # (columns "distribution", "import", "may import"). Keep the two in sync: a new package must be
 # added here, or the checker reports it as an unknown package.
 #
@@ -109,8 +127,7 @@ LAYERS: dict[str, Layer] = {
 
 def is_private(component: str) -> bool:
     """Whether a dotted name component is private (``_impl``; not dunders like ``__about__``)."""
-    is_dunder = len(component) > 4 and component.startswith("__") and component.endswith("__")
-    return component.startswith("_") and not is_dunder
+    return component.startswith("_") and not is_dunder(component)
 
 
 @dataclass(frozen=True, order=True)
@@ -266,8 +283,10 @@ def _describe(packages: Iterable[str]) -> str:
     return ", ".join(f"colossal.{p}" for p in names) if names else "no other colossal package"
 
 
-def check_ref(importer: Importer, ref: ImportRef, path: str) -> list[Violation]:
-    """The violations of one import, given who imports it."""
+def check_ref(
+    importer: Importer, ref: ImportRef, path: str, index: ModuleIndex | None = None
+) -> list[Violation]:
+    """The violations of one import, given who imports it (and the module tree, if known)."""
     parts = ref.target.split(".")
     if parts[0] != NAMESPACE or len(parts) < 2:
         return []
@@ -331,6 +350,17 @@ def check_ref(importer: Importer, ref: ImportRef, path: str) -> list[Violation]:
                 f"public names from `colossal.{pkg}` instead",
             )
         )
+    deep = None if index is None or private is not None else index.deep_module(ref.target)
+    if deep is not None and (path, deep) not in ALLOWED_DEEP_IMPORTS:
+        public = index.public_parent(deep) if index is not None else f"colossal.{pkg}"
+        found.append(
+            Violation(
+                *here,
+                "deep-import",
+                f"`{ref.text}` reaches into {deep}, which {public} does not export: import the "
+                f"name from {public} (re-export it there: `__all__` or `from . import m`)",
+            )
+        )
     return found
 
 
@@ -349,8 +379,23 @@ def _rel(root: Path, path: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
-def check_file(root: Path, path: Path, importer: Importer) -> list[Violation]:
-    """All violations in one Python file."""
+def check_file(
+    root: Path,
+    path: Path,
+    importer: Importer,
+    index: ModuleIndex | None = None,
+    graph: dict[str, dict[str, int]] | None = None,
+) -> list[Violation]:
+    """All violations of the per-import rules in one Python file.
+
+    Args:
+        root: Repository root, for the paths in messages.
+        path: The file.
+        importer: Who the file imports as.
+        index: The module tree, for the deep-import rule (skipped without it).
+        graph: Filled with the file's module-level imports of indexed modules (module ->
+            {imported module: line}), for the cycle rule; only for source files.
+    """
     rel = _rel(root, path)
     try:
         source = path.read_text(encoding="utf-8")
@@ -361,11 +406,47 @@ def check_file(root: Path, path: Path, importer: Importer) -> list[Violation]:
         return [Violation(rel, line, "syntax", f"cannot parse this file: {exc}")]
     found = list(collector.errors)
     for ref in collector.refs:
-        found.extend(check_ref(importer, ref, rel))
+        found.extend(check_ref(importer, ref, rel, index))
+    if graph is not None and index is not None and importer.module is not None:
+        module = ".".join(importer.module)
+        edges = graph.setdefault(module, {})
+        for ref in collector.refs:
+            target = None if ref.lazy else index.module_of(ref.target)
+            if target is not None and target != module:
+                edges.setdefault(target, ref.line)
     return found
 
 
-def _check_distribution(root: Path, dist_dir: Path) -> tuple[list[Violation], int]:
+def check_cycles(
+    root: Path, index: ModuleIndex, graph: dict[str, dict[str, int]]
+) -> list[Violation]:
+    """One ``cycle`` violation per strongly connected component not in ``ALLOWED_CYCLES``."""
+    found = []
+    for component in strongly_connected(graph):
+        if tuple(component) in ALLOWED_CYCLES:
+            continue
+        cycle = shortest_cycle(graph, component[0])
+        steps = " -> ".join(
+            f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)
+        )
+        more = len(component) - (len(cycle) - 1)
+        found.append(
+            Violation(
+                _rel(root, index.modules[component[0]].path),
+                graph[cycle[0]][cycle[1]],
+                "cycle",
+                f"module-level imports form a cycle: {steps} -> {cycle[0]}"
+                + (f" ({more} more module(s) in the same cycle group)" if more else "")
+                + ": import one of them lazily (inside the function that needs it) or move "
+                "the shared code into a module that both import",
+            )
+        )
+    return found
+
+
+def _check_distribution(
+    root: Path, dist_dir: Path, index: ModuleIndex, graph: dict[str, dict[str, int]]
+) -> tuple[list[Violation], int]:
     dist = dist_dir.name
     found: list[Violation] = []
     files = 0
@@ -427,7 +508,7 @@ def _check_distribution(root: Path, dist_dir: Path) -> tuple[list[Violation], in
                 is_init = rel_parts[-1] == "__init__"
                 module = importer_base + (rel_parts[:-1] if is_init else rel_parts)
                 importer = Importer(f"colossal.{pkg}", dist, frozenset({pkg}), module, is_init)
-                found.extend(check_file(root, path, importer))
+                found.extend(check_file(root, path, importer, index, graph))
                 files += 1
 
     tests = dist_dir / "tests"
@@ -437,7 +518,7 @@ def _check_distribution(root: Path, dist_dir: Path) -> tuple[list[Violation], in
         )
         importer = Importer(f"the tests of {dist}", dist, packages, None)
         for path in _python_files(tests):
-            found.extend(check_file(root, path, importer))
+            found.extend(check_file(root, path, importer, index))
             files += 1
     return found, files
 
@@ -459,13 +540,16 @@ def check(root: Path) -> tuple[list[Violation], int, int]:
         raise FileNotFoundError(f"no packages/ directory under {root}")
     found: list[Violation] = []
     files = dists = 0
+    index = ModuleIndex.scan(packages_dir)
+    graph: dict[str, dict[str, int]] = {}
     for dist_dir in sorted(p for p in packages_dir.iterdir() if p.is_dir()):
         if dist_dir.name.startswith(".") or dist_dir.name == "__pycache__":
             continue
-        dist_found, dist_files = _check_distribution(root, dist_dir)
+        dist_found, dist_files = _check_distribution(root, dist_dir, index, graph)
         found.extend(dist_found)
         files += dist_files
         dists += 1
+    found.extend(check_cycles(root, index, graph))
     return sorted(set(found)), files, dists
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ SCRIPT = TOOLS / "check_layering.py"
 
 
 def _load_checker() -> ModuleType:
+    if str(TOOLS) not in sys.path:  # its sibling modules, as when it runs as a script
+        sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location("check_layering", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -37,16 +40,32 @@ CLEAN_TREE: dict[str, str] = {
     "packages/colossal-core/src/colossal/core/__about__.py": '__version__ = "0.1.0"\n',
     "packages/colossal-core/src/colossal/core/mesh.py": "class ProcessGroupMesh: ...\n",
     "packages/colossal-core/src/colossal/core/_impl.py": "X = 1\n",
+    # a public subpackage (its own __all__) with one re-exported and one internal module
+    "packages/colossal-core/src/colossal/core/comm/__init__.py": """
+        from colossal.core.comm import shm
+        from .ops import all_reduce
+
+        __all__ = ["all_reduce"]
+    """,
+    "packages/colossal-core/src/colossal/core/comm/ops.py": "def all_reduce(): ...\n",
+    "packages/colossal-core/src/colossal/core/comm/shm.py": "def reduce_scatter(): ...\n",
     "packages/colossal-core/tests/test_core.py": """
         import torch
         from colossal.core import ProcessGroupMesh
         from colossal.core._impl import X
+        from colossal.core.mesh import ProcessGroupMesh
+        from colossal.core.comm.ops import all_reduce
     """,
     "packages/colossal-kernels/src/colossal/kernels/__init__.py": """
         from colossal.core import ProcessGroupMesh
         from colossal.core.__about__ import __version__ as core_version
     """,
     "packages/colossal-kernels/src/colossal/kernels/_impl.py": "Y = 1\n",
+    "packages/colossal-kernels/src/colossal/kernels/comm_users.py": """
+        from colossal.core.comm import all_reduce, shm
+        from colossal.core.comm.shm import reduce_scatter
+        import colossal.core.comm
+    """,
     "packages/colossal-zero/src/colossal/zero/__init__.py": """
         import colossal.core
         from colossal import core
@@ -54,11 +73,27 @@ CLEAN_TREE: dict[str, str] = {
     """,
     "packages/colossal-zero/src/colossal/zero/_impl.py": "class LowLevelZeroOptimizer: ...\n",
     "packages/colossal-zero/src/colossal/zero/sub/__init__.py": "from .. import _impl\n",
+    # the normal package layout: __init__ imports a submodule that imports its siblings
+    "packages/colossal-zero/src/colossal/zero/sub/a.py": """
+        from colossal.zero.sub import b
+        from .c import C
+    """,
+    "packages/colossal-zero/src/colossal/zero/sub/b.py": "from . import c\n",
+    "packages/colossal-zero/src/colossal/zero/sub/c.py": """
+        from typing import TYPE_CHECKING
+
+        C = 1
+        if TYPE_CHECKING:
+            from .a import b
+
+        def f():
+            from .a import b
+    """,
     "packages/colossal-zero/tests/test_zero.py": """
         from colossal.core import ProcessGroupMesh
         from colossal.zero._impl import LowLevelZeroOptimizer
     """,
-    "packages/colossal-pipeline/src/colossal/pipeline/__init__.py": "import colossal.core.mesh\n",
+    "packages/colossal-pipeline/src/colossal/pipeline/__init__.py": "import colossal.core.comm\n",
     "packages/colossal-gemini/src/colossal/gemini/__init__.py": """
         from colossal.core import ProcessGroupMesh
         from colossal.kernels import something
@@ -77,7 +112,7 @@ CLEAN_TREE: dict[str, str] = {
             from colossal.gemini import GeminiDDP
             from colossal.shardformer import ShardFormer
     """,
-    "packages/colossal/src/colossal/checkpoint_io/__init__.py": "from ..booster import x\n",
+    "packages/colossal/src/colossal/checkpoint_io/__init__.py": "from ..lazy import x\n",
     "packages/colossal/src/colossal/lazy/__init__.py": "",
     "packages/colossal/src/colossal/lazy/_impl.py": "class LazyInit: ...\n",
     "packages/colossal/tests/test_booster.py": """
@@ -221,6 +256,41 @@ def test_clean_tree_passes(repo: Path) -> None:
             "private",
             1,
             id="shardformer-imports-kernels-private-name",
+        ),
+        pytest.param(
+            "packages/colossal-shardformer/src/colossal/shardformer/bad.py",
+            "from colossal.core.mesh import ProcessGroupMesh\n",
+            "deep-import",
+            1,
+            id="deep-import-of-unexported-module",
+        ),
+        pytest.param(
+            "packages/colossal-shardformer/src/colossal/shardformer/bad.py",
+            "import colossal.core.mesh as mesh\n",
+            "deep-import",
+            1,
+            id="deep-import-of-module-itself",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/colossal/zero/bad.py",
+            "from colossal.core.comm.ops import all_reduce\n",
+            "deep-import",
+            1,
+            id="deep-import-below-public-subpackage",
+        ),
+        pytest.param(
+            "packages/colossal-kernels/tests/test_bad.py",
+            "import pytest\nfrom colossal.core.comm import ops\n",
+            "deep-import",
+            2,
+            id="deep-import-from-tests",
+        ),
+        pytest.param(
+            "packages/colossal-cli/src/colossal/cli/bad.py",
+            "def f():\n    import importlib\n    importlib.import_module('colossal.core.mesh')\n",
+            "deep-import",
+            3,
+            id="deep-import-lazy-and-dynamic",
         ),
         pytest.param(
             "packages/colossal-zero/src/colossal/__init__.py",
@@ -379,3 +449,118 @@ def test_table_matches_design() -> None:
 def test_real_repository_is_clean() -> None:
     result = _run(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_deep_import_names_the_public_package(repo: Path) -> None:
+    _write(
+        repo,
+        {
+            "packages/colossal-zero/src/colossal/zero/bad.py": (
+                "from colossal.core.comm.ops import all_reduce\n"
+            )
+        },
+    )
+    [violation] = checker.check(repo)[0]
+    assert violation.rule == "deep-import"
+    assert "reaches into colossal.core.comm.ops, which colossal.core.comm does not export" in (
+        violation.message
+    )
+
+
+def test_allowlisted_deep_import_is_not_reported(repo: Path, monkeypatch) -> None:
+    rel = "packages/colossal-zero/src/colossal/zero/bad.py"
+    _write(repo, {rel: "from colossal.core.mesh import ProcessGroupMesh\n"})
+    assert [v.rule for v in checker.check(repo)[0]] == ["deep-import"]
+    monkeypatch.setitem(checker.ALLOWED_DEEP_IMPORTS, (rel, "colossal.core.mesh"), "reason")
+    assert checker.check(repo)[0] == []
+
+
+ZERO = "packages/colossal-zero/src/colossal/zero"
+
+
+@pytest.mark.parametrize(
+    ("files", "first", "line", "cycle"),
+    [
+        pytest.param(
+            {
+                "a.py": "import os\nfrom colossal.zero.b import B\nA = 1\n",
+                "b.py": "from .a import A\n",
+            },
+            "a.py",
+            2,
+            "colossal.zero.a (line 2) -> colossal.zero.b (line 1) -> colossal.zero.a",
+            id="two-modules",
+        ),
+        pytest.param(
+            {
+                "a.py": "from . import b\n",
+                "b.py": "from . import c\n",
+                "c.py": "import colossal.zero.a\n",
+            },
+            "a.py",
+            1,
+            "colossal.zero.a (line 1) -> colossal.zero.b (line 1) -> colossal.zero.c (line 1) "
+            "-> colossal.zero.a",
+            id="three-modules",
+        ),
+        pytest.param(
+            # __init__ imports m, m takes a name from __init__: one of them sees the other half-done
+            {
+                "__init__.py": "from .m import f\nHELPER = 1\n",
+                "m.py": "from colossal.zero import HELPER\n",
+            },
+            "__init__.py",
+            1,
+            "colossal.zero (line 1) -> colossal.zero.m (line 1) -> colossal.zero",
+            id="name-from-own-package-init",
+        ),
+    ],
+)
+def test_import_cycle_is_reported_once(
+    repo: Path, files: dict[str, str], first: str, line: int, cycle: str
+) -> None:
+    _write(repo, {f"{ZERO}/{name}": text for name, text in files.items()})
+    result = _run(repo)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{ZERO}/{first}:{line}: [cycle] "), lines
+    assert f"form a cycle: {cycle}" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "b_text",
+    [
+        "def g():\n    from .a import A\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n",
+        "import colossal.zero\n",  # parent package: initialised first, not an edge to a
+    ],
+    ids=["function", "type-checking", "parent-package"],
+)
+def test_lazy_or_parent_imports_make_no_cycle(repo: Path, b_text: str) -> None:
+    _write(repo, {f"{ZERO}/a.py": "from .b import g\nA = 1\n", f"{ZERO}/b.py": b_text})
+    assert checker.check(repo)[0] == []
+
+
+def test_allowlisted_cycle_is_not_reported(repo: Path, monkeypatch) -> None:
+    _write(repo, {f"{ZERO}/a.py": "from . import b\n", f"{ZERO}/b.py": "from . import a\n"})
+    assert [v.rule for v in checker.check(repo)[0]] == ["cycle"]
+    monkeypatch.setitem(checker.ALLOWED_CYCLES, ("colossal.zero.a", "colossal.zero.b"), "why")
+    assert checker.check(repo)[0] == []
+
+
+def test_cycle_helpers_on_a_known_graph() -> None:
+    graph = {"a": {"b": 1}, "b": {"c": 2, "a": 3}, "c": {"a": 4}, "d": {"a": 5}, "e": {"e": 6}}
+    assert checker.strongly_connected(graph) == [["a", "b", "c"]]
+    assert checker.shortest_cycle(graph, "a") == ["a", "b", "a"]
+    assert checker.shortest_cycle(graph, "c") == ["c", "a", "b", "c"]
+    assert checker.shortest_cycle(graph, "d") == []
+
+
+def test_no_machine_paths_in_the_tool() -> None:
+    absolute = re.compile(r"(?<![\w.:/])/(?:work|home|tmp|opt|root|usr|mnt|Users)/")
+    files = [*TOOLS.glob("*.py"), *(TOOLS / "tests").glob("*.py")]
+    assert SCRIPT in files
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        assert not absolute.search(text), f"{path.name}: {absolute.search(text)}"

@@ -22,7 +22,7 @@ import torch
 from _pp_cases import CASES, PPCase, build_pair
 from torch import nn
 
-from colossal.pipeline.layout import StageLayout, distribute_layers, stage_index
+from colossal.pipeline import StageLayout, distribute_layers, stage_index
 from colossal.shardformer import ShardConfig, ShardFormer, StagePlan
 from colossal.shardformer.pipeline import (
     HIDDEN_KEY,

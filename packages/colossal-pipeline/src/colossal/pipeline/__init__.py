@@ -16,7 +16,7 @@ from colossal.pipeline.generators import (
     zero_bubble_v,
 )
 from colossal.pipeline.ir import Action, ActionType, ScheduleIR, TimelineEvent
-from colossal.pipeline.layout import StageLayout, distribute_layers
+from colossal.pipeline.layout import StageLayout, distribute_layers, stage_index
 from colossal.pipeline.microbatch import split_batch
 from colossal.pipeline.p2p import PipelineP2P
 from colossal.pipeline.schedules import (
@@ -59,6 +59,7 @@ __all__ = [
     "save_png",
     "simulate",
     "split_batch",
+    "stage_index",
     "validate_schedule",
     "zero_bubble_v",
 ]

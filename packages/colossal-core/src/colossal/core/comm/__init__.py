@@ -1,5 +1,9 @@
-"""Communication helpers (tracked, with rank-naming errors) and the comm tracker."""
+"""Communication helpers (tracked, with rank-naming errors), the comm tracker, and ``shm``.
 
+``shm`` is the shared-memory reduce-scatter / all-gather for groups whose ranks share a host.
+"""
+
+from colossal.core.comm import shm
 from colossal.core.comm.errors import CommError
 from colossal.core.comm.ops import (
     CommWork,
@@ -44,4 +48,5 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "send",
+    "shm",
 ]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from colossal.core.logging import get_logger
+from colossal.core import get_logger
 from colossal.kernels.norm.functional import fused_layer_norm, fused_rms_norm
 
 logger = get_logger(__name__)

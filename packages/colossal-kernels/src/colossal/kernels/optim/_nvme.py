@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from colossal.core import get_logger
 from colossal.core.io import TensorFileIO, direct_io_supported, empty_aligned
-from colossal.core.logging import get_logger
 from colossal.kernels.optim._nvme_layout import Piece, StateLayout, Unit, padded
 
 logger = get_logger(__name__)

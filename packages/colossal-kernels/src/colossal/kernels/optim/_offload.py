@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from colossal.core.logging import get_logger
+from colossal.core import get_logger
 from colossal.kernels.optim._functional import AdamHyper
 from colossal.kernels.optim._nvme import NVMeStateStore, StatePipeline, piece_views
 from colossal.kernels.optim._nvme_layout import Unit

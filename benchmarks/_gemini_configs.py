@@ -170,8 +170,11 @@ def _auto(config: str, cfg: GPTConfig, chunk_size: int, data: torch.Tensor, rese
         if _agreed_max(gemini_facts(run)["shards_on_host"]) > 0:
             run.info["auto_reserve"] = share
             return run
-        # The limited step peaked below the unlimited one without moving anything (at world
-        # 2: 154 MB against 211 MB, nothing evicted). Tighten the limit to that peak.
+        # The limited step peaked below the unlimited one without moving anything (it did
+        # at world 2, 154 against 211 MiB, while colossal-core's two-rank reduce-scatter never
+        # reported completion and unlimited runs kept every gradient buffer to the end of
+        # backward; now the probe peaks at 152 MiB and the first limit evicts). Tighten the
+        # limit to that peak.
         limit = int(_agreed_max(run.module.budget.peak("device")))
         logger.info("auto fitted without evicting; limit tightened to %d B", limit)
     run.info["auto_reserve"] = share

@@ -12,9 +12,13 @@ async save is followed by a training step (forward and backward of ``--batch`` r
 ``optimizer.step()``): its snapshot runs in the background while the step computes, and the
 step's optimizer update waits for it (the fence). "blocked" is the save call plus that wait;
 "compute_s" shows how much the step itself slowed down next to the same step alone. DCP's
-``async_save`` row counts only its call, which copies the state.
+``async_save`` row counts only its call, which copies the state. Our sync save writes DDP's
+replicated state in place (every rank its share of the tensors, straight into the final
+files); ``--staging`` measures the earlier way instead (each file written whole by one rank,
+the ranks meeting in a staging folder: ``CheckpointIO(write_in_place=False)``).
 
     python benchmarks/checkpoint.py [--quick] [--world 2] [--rounds 3] [--batch 64] [--dir /tmp/x]
+                                    [--staging]
 
 Goals (issue 7): sync save throughput >= 0.9x disk write bandwidth and >= DCP's; async save
 blocks the caller for <= 10% of the sync save time.
@@ -124,7 +128,8 @@ def evict_from_cache(rank: int, here: str) -> None:
 
 
 def run(
-    rank: int, world: int, layers: int, width: int, batch: int, root: str, rounds: int
+    rank: int, world: int, layers: int, width: int, batch: int, root: str, rounds: int,
+    staging: bool = False,
 ) -> list[dict[str, Any]]:
     model, optimizer = build(layers, width)
     shard_mb = 32 if width <= 2048 else 256  # several shards per rank
@@ -132,6 +137,7 @@ def run(
     here = os.path.join(root, "work")
     os.makedirs(here, exist_ok=True)
     booster = Booster(plugin=TorchDDPPlugin())
+    booster.checkpoint_io.write_in_place = not staging
     bmodel, bopt, *_ = booster.boost(model, optimizer)
     inner = bmodel.unwrap()
 
@@ -183,7 +189,8 @@ def run(
             clear_directory(rank, here)
     rows: list[dict[str, Any]] = [
         {"method": "disk write (fsync, all ranks)", **spread("save", times["disk"])},
-        {"method": "colossal save (sync)", **spread("save", times["ours"]),
+        {"method": "colossal save (sync)" + (" [staging]" if staging else ""),
+         **spread("save", times["ours"]),
          **spread("load", times["ours_load"]),
          "vs_disk_paired": paired_median(times["disk"], times["ours"]),
          "vs_dcp_paired": paired_median(times["dcp"], times["ours"])},
@@ -250,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help="timed rounds of disk write, our save and DCP's (rotating order)")
+    parser.add_argument("--staging", action="store_true",
+                        help="sync saves through the staging folder (write_in_place=False)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds} must be >= 1")
     layers, width = (4, 2048) if args.quick else (12, 4096)
     root = tempfile.mkdtemp(prefix="colossal_ckpt_bench_", dir=args.dir)
     try:
-        rows = spawn(run, args.world, args=(layers, width, args.batch, root, args.rounds),
-                     timeout=1800)[0]
+        rows = spawn(run, args.world, args=(layers, width, args.batch, root, args.rounds,
+                                            args.staging), timeout=1800)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     params = layers * width * width
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     by = {r["method"]: r for r in rows}
-    ours = by["colossal save (sync)"]
+    ours = by["colossal save (sync)" + (" [staging]" if args.staging else "")]
     ours_async = by["colossal save (async, repeat)"]
     goals = [
         goal(

@@ -293,3 +293,141 @@ def test_kill_mid_in_place_save_keeps_the_old_checkpoint(tmp_path: Any) -> None:
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
     io.save_model(fresh, path, shard=True, size_per_shard=1)  # succeeds, removes leftovers
     assert not [n for n in os.listdir(path) if n.startswith(".")]
+
+
+# ---- replicated (DDP) state in place: the ranks share the bytes ------------------------------
+def _ddp_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    from booster_testlib import make_booster
+
+    from colossal.checkpoint_io import MODEL_INDEX
+    from colossal.checkpoint_io.saver import ShardedSaver
+
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(make_model())
+    state = {n: t.detach() for n, t in model.unwrap().state_dict().items()}
+    # The reference: the same tensors streamed, each file by one rank (no in-place code).
+    ShardedSaver().save(state, f"{root}/stream", "model", MODEL_INDEX, SHARD_MB, stream=True)
+    written: list[int] = []
+    original = inplace._write_part
+    inplace._write_part = lambda fd, data, offset: (  # type: ignore[assignment]
+        written.append(data.numel() * data.element_size()) or original(fd, data, offset))
+    try:
+        booster.save_model(model, f"{root}/inplace", shard=True, size_per_shard=SHARD_MB)
+    finally:
+        inplace._write_part = original  # type: ignore[assignment]
+    return {"written": sum(written), "total": sum(t.numel() * t.element_size()
+                                                    for t in state.values())}
+
+
+def test_ddp_save_is_written_in_place_by_every_rank(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    results = spawn(_ddp_save, 2, args=(root,))
+    stream, in_place = _files(f"{root}/stream"), _files(f"{root}/inplace")
+    assert sum(n.endswith(".safetensors") for n in stream) >= 3, sorted(stream)
+    assert sorted(stream) == sorted(in_place)
+    for name, data in stream.items():  # catches a wrong offset, order, header or CRC
+        assert in_place[name] == data, f"{name} differs from the streamed save"
+    total = results[0]["total"]
+    assert sum(r["written"] for r in results) == total  # every tensor written once
+    for r in results:  # both ranks share the bytes
+        assert r["written"] >= total // 4, results
+
+
+# ---- a failed in-place save removes what it created -------------------------------------------
+def _fail_in_place(rank: int, world: int, root: str) -> dict[str, Any]:
+    from booster_testlib import make_booster
+
+    booster = make_booster("ddp")
+    model, *_ = booster.boost(make_model())
+    existing = f"{root}/existing"
+    booster.save_model(model, existing, shard=True, size_per_shard=SHARD_MB)
+    original = inplace._write_part
+
+    def broken(fd: int, data: torch.Tensor, offset: int) -> Any:
+        if rank == 1:
+            raise OSError("disk full (injected)")
+        return original(fd, data, offset)
+
+    errors = []
+    inplace._write_part = broken  # type: ignore[assignment]
+    try:
+        for save in (
+            lambda: booster.save_model(model, f"{root}/new/a/ckpt", shard=True,
+                                       size_per_shard=SHARD_MB),
+            lambda: booster.save_model(model, f"{root}/file/b/one.safetensors"),
+            lambda: booster.save_model(model, existing, shard=True, size_per_shard=SHARD_MB),
+        ):
+            if rank == 0:
+                listing = sorted(os.listdir(existing))
+            try:
+                save()
+                errors.append("no error")
+            except (CheckpointError, OSError) as err:
+                errors.append(str(err))
+            torch.distributed.barrier()
+    finally:
+        inplace._write_part = original  # type: ignore[assignment]
+    return {"errors": errors, "listing": listing if rank == 0 else None}
+
+
+def test_failed_in_place_save_removes_what_it_created(tmp_path: Any) -> None:
+    """A directory the save created (and its files) is gone; an existing one is untouched."""
+    root = str(tmp_path)
+    with open(f"{root}/mine.txt", "w") as file:
+        file.write("the user's")
+    os.makedirs(f"{root}/existing")
+    with open(f"{root}/existing/notes.txt", "w") as file:
+        file.write("the user's")
+    before = {n: open(f"{root}/existing/{n}", "rb").read()
+              for n in os.listdir(f"{root}/existing")}
+    results = spawn(_fail_in_place, 2, args=(root,))
+    for rank, result in enumerate(results):  # every save failed on every rank
+        assert len(result["errors"]) == 3, result
+        for error in result["errors"]:
+            assert ("rank 1" if rank == 0 else "injected") in error, (rank, error)
+    assert sorted(os.listdir(root)) == ["existing", "mine.txt"]  # new/ and file/ are gone
+    after = {n: open(f"{root}/existing/{n}", "rb").read()
+             for n in os.listdir(f"{root}/existing")}
+    assert sorted(after) == results[0]["listing"]  # nothing of the failed save is left
+    assert after["notes.txt"] == before["notes.txt"]
+    fresh = make_model(seed=5)
+    from colossal.booster import Booster
+
+    Booster().load_model(fresh, f"{root}/existing")  # the committed checkpoint still loads
+    for name, value in make_model().state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0)
+
+
+# ---- durability: every file fsynced before its rename, the renames before the commit -------
+def test_in_place_files_are_durable_before_their_rename_and_the_commit(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Catches a rename or commit that a power loss could leave pointing at unwritten
+    bytes: a temporary file renamed before its fsync, or the index written before the
+    renames are durable (the directory fsync)."""
+    from colossal.booster import Booster
+
+    events: list[tuple[str, str]] = []
+    fsync, fsync_directory = os.fsync, inplace.durable.fsync_directory
+    rename, commit = inplace._rename, inplace.commit_index
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(inplace.durable, "fsync_directory",
+                        lambda d: events.append(("fsync_dir", "")) or fsync_directory(d))
+    monkeypatch.setattr(inplace, "_rename", lambda a, b: events.append(
+        ("rename", os.path.basename(a))) or rename(a, b))
+    monkeypatch.setattr(inplace, "commit_index", lambda *a: events.append(("commit", ""))
+                        or commit(*a))
+    booster = Booster()
+    model, *_ = booster.boost(make_model())
+    booster.save_model(model, str(tmp_path / "ckpt"), shard=True, size_per_shard=SHARD_MB)
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) >= 3, events
+    for i in renames:
+        assert ("fsync", events[i][1]) in events[:i], (events[i], events)
+    commit_at = events.index(("commit", ""))
+    assert ("fsync_dir", "") in events[renames[-1]:commit_at], events

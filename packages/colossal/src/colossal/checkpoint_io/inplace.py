@@ -23,7 +23,9 @@ file. A save therefore needs no gather at all:
 
 The files are byte-identical to those of a streamed save of the same tensors. Until the
 commit the previous checkpoint's index and files are untouched: a save killed at any point
-leaves it loadable, and only temporary files behind.
+leaves it loadable, and only temporary files behind. A save that fails (and is not killed)
+removes what it created: its temporary files, the files it renamed before the commit, and
+(:func:`remove_created`, by the caller) the directories it created for them.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ _YIELD_S = 50e-6
 """A waiting rank yields the core this long, then sleeps (backing off from ``_NAP_S``).
 
 Spinning, even yielding at every check, keeps a rank runnable: with more ranks than cores (4 on
-2) it takes the core from the late rank it waits for. In a tensor-parallel step of a 50M Llama
-on 4 ranks, waits that yielded at every check cost 5.1-5.9 s of CPU per step against 4.1 s on
-gloo; pieces of one collective (all ranks in the same loop) arrive within the yield phase.
+2) it takes the core from the late rank it waits for, so waits that yield at every check cost
+more CPU per step than gloo (measured: colossal-core's CHANGELOG); pieces of one collective
+(all ranks in the same loop) arrive within the yield phase.
 """
 _NAP_S = (20e-6, 500e-6)  # first and longest sleep
 _DIR = "/dev/shm"

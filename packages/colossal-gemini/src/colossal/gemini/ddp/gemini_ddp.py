@@ -54,11 +54,11 @@ class GeminiDDP(ModelWrapper):
     own chunks without master or gradient. Hooks gather a chunk before its module runs and
     release it after; an operator that uses a parameter outside its module's call (a tied
     head ``x @ self.wte.weight.t()`` in the root forward) is treated as a call of its own,
-    found by a ``TorchFunctionMode`` active during the root forward (``ddp/outside.py``;
-    about 1.5 us per operator); backward follows the forward's access sequence reversed (see
-    ``colossal.gemini.ddp.order``) so every rank issues the same collectives even when some
-    outputs reach the loss on some ranks only. Gradients are reduce-scattered asynchronously
-    on a separate process group over the same ranks.
+    found by a ``TorchFunctionMode`` active during the root forward (``ddp/outside.py``; its
+    cost per operator is in colossal-gemini's CHANGELOG); backward follows the forward's
+    access sequence reversed (see ``colossal.gemini.ddp.order``) so every rank issues the
+    same collectives even when some outputs reach the loss on some ranks only. Gradients are
+    reduce-scattered asynchronously on a separate process group over the same ranks.
 
     Not supported: a forward that runs different modules (or a different number of calls)
     on different ranks (colossal-core's collective timeout turns it into an error, not a

@@ -7,8 +7,8 @@ model that tensor is the largest activation of the step. :func:`cross_entropy` r
 target log-probability, saves the logits and the targets, and in the backward writes
 ``softmax(logits)`` chunk by chunk straight into the one gradient tensor it returns, then
 subtracts the one-hot targets and scales in place. (PyTorch's fused ``_log_softmax`` /
-``_softmax`` kernels make one pass per row; a ``logsumexp`` + ``exp(x - lse)`` formulation
-measured 2.5x / 1.8x slower.)
+``_softmax`` kernels make one pass per row, so they are used rather than a ``logsumexp`` +
+``exp(x - lse)`` formulation, which is slower: colossal-kernels' CHANGELOG.)
 
 Everything is computed in (at least) float32, as transformers' ``ForCausalLMLoss`` does with
 ``logits.float()``; the gradient comes back in the logits' dtype.

@@ -28,8 +28,9 @@ no key gets a zero output and zero gradients, as SDPA gives.
 
 All-gather: the forward keeps the gathered blocks for the backward (``_KEEP_GATHERED``; one
 all-gather per layer instead of two, for the whole sequence's keys and values held per
-layer until its backward: measured 4 % off the SP=4 step at 2048 tokens while the longest
-sequence at 700 MB/rank still beats PyTorch's context parallelism, which gathers again);
+layer until its backward; the step time this saves, and the longest sequence that still fits
+against PyTorch's context parallelism, which gathers again, are in colossal-shardformer's
+CHANGELOG);
 every rank computes its share of every block's gradient and one all-to-all returns the
 shares to the owners, who sum them. Ring: backward fetches the blocks again the same way,
 and behind the blocks travel the gradients of those blocks, which every rank adds its share

@@ -22,12 +22,12 @@ pp x sp)); every data-parallel replica takes ``--batch-size / dp`` sequences. Th
 transformers' own (``labels`` with ``shift_labels``: vocab-parallel under TP). With ``--pp``
 a step is ``booster.execute_pipeline`` over ``--num-microbatches`` (default: pp; more shrink
 the bubble on real devices, but each costs overhead on CPU) and only the last stage holds
-the loss. Validation is a forward-only pass through the stages (no backward, no gradients:
-the schedules have no forward-only mode, so this script sends each stage's output to the
-next itself). Logged losses are averaged over the ranks that hold one. Checkpoints are the
-one format of every plugin (save under hybrid, resume under any plugin and world size, and
-back); ``--async-save`` needs ``--tp 1 --pp 1`` (the plugin saves optimizer states
-synchronously under TP/PP).
+the loss. Validation calls ``plugin.execute_pipeline`` under ``torch.no_grad()``, where the
+schedule runs its forward-only IR (colossal-pipeline's ``forward_only``: each microbatch's
+forwards through the stages, no backward, no gradients). Logged losses are averaged over
+the ranks that hold one. Checkpoints are the one format of every plugin (save under hybrid,
+resume under any plugin and world size, and back); ``--async-save`` needs ``--tp 1 --pp 1``
+(the plugin saves optimizer states synchronously under TP/PP).
 
 By default GPT-2's composed ``gelu_new`` runs as colossal-kernels' fused tanh-GELU (the same
 function; ``--no-fused-kernels`` keeps the model's modules). ``--metrics-json`` writes the

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, free_port
+from test_run_orphans import PID_SCRIPT as TERM_PID_SCRIPT
+from test_run_orphans import _pids, kill_leftovers, wait_until_gone
 from test_run_real import RANK_SCRIPT
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/usr/bin/sshd")
@@ -102,16 +104,24 @@ PID_SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str,
-         script_text: str = RANK_SCRIPT) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def _command(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str,
+             script_text: str = RANK_SCRIPT,
+             master_port: int | None = None) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     script = tmp_path / "ranks.py"
     script.write_text(script_text)
     env = cli_env()
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
     env["MY_JOB_SETTING"] = "a b'c"  # forwarded with the whole environment
+    master_port = free_port() if master_port is None else master_port
     cmd = [*colossal_cmd, "run", "--host", "localhost,127.0.0.1", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "--ssh-port", str(port), "--nproc_per_node", "1",
+           "--master_port", str(master_port), "--ssh-port", str(port), "--nproc_per_node", "1",
            str(script), *args]  # fmt: skip
+    return cmd, env
+
+
+def _run(tmp_path: Path, colossal_cmd: list[str], bindir: Path, port: int, *args: str,
+         script_text: str = RANK_SCRIPT) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    cmd, env = _command(tmp_path, colossal_cmd, bindir, port, *args, script_text=script_text)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=tmp_path)  # fmt: skip
 
@@ -149,3 +159,29 @@ def test_failing_node_stops_the_job(tmp_path, colossal_cmd, ssh_localhost) -> No
     assert not _alive(agent), "the other node's torchrun survived"
     # Stopped, not completed: rank 0 never got past its sleep.
     assert not (tmp_path / "rank0_done").exists(), "rank 0 ran to completion: it was waited for"
+
+
+def test_sigkilled_launcher_stops_the_remote_ranks(tmp_path, colossal_cmd, ssh_localhost) -> None:
+    """The launcher's watchdogs close the ssh sessions; each remote watchdog, hung up, stops
+    its torchrun and rank (rank 1 ignores SIGTERM: it needs the SIGKILL after --stop_grace)."""
+    master_port = free_port()
+    cmd, env = _command(tmp_path, colossal_cmd, *ssh_localhost, str(tmp_path),
+                        script_text=TERM_PID_SCRIPT, master_port=master_port)  # fmt: skip
+    cmd[cmd.index("--nproc_per_node"):cmd.index("--nproc_per_node")] = ["--stop_grace", "2"]
+    with (tmp_path / "out.txt").open("w") as out:
+        launcher = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        pids = _pids(tmp_path, 2)
+        assert pids["agent0"] != pids["agent1"]  # one torchrun per node
+        assert all(_alive(pid) for pid in pids.values())  # the checks below can fail
+        launcher.kill()
+        launcher.wait()
+        left = wait_until_gone(pids, master_port, timeout=30)
+    finally:
+        kill_leftovers([launcher.pid, *pids.values()])
+    log = (tmp_path / "out.txt").read_text()
+    assert left == [], f"{left} outlived the SIGKILLed launcher\n{log}"
+    assert (tmp_path / "rank0_term").exists(), f"rank 0 got no SIGTERM before SIGKILL\n{log}"
+    assert not list(tmp_path.glob("*_done")), "a rank ran to completion"

@@ -431,3 +431,19 @@ def test_in_place_files_are_durable_before_their_rename_and_the_commit(
         assert ("fsync", events[i][1]) in events[:i], (events[i], events)
     commit_at = events.index(("commit", ""))
     assert ("fsync_dir", "") in events[renames[-1]:commit_at], events
+
+
+def test_extra_files_named_like_checkpoint_files_fail_before_anything_is_written(
+    tmp_path: Any,
+) -> None:
+    """Refused by rank 0's plan (so on every rank), and the directory it made is gone."""
+    from colossal.checkpoint_io import MODEL_INDEX
+    from colossal.checkpoint_io.saver import ShardedSaver
+
+    target = tmp_path / "new" / "ckpt"
+    tensors = {"w": torch.ones(4)}
+    for in_place in (True, False):
+        with pytest.raises(ValueError, match="would overwrite checkpoint files"):
+            ShardedSaver().save(tensors, str(target), "model", MODEL_INDEX, 1024,
+                                extra_files={MODEL_INDEX: "{}"}, in_place=in_place)
+        assert os.listdir(tmp_path) == []

@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import cli_env, free_port, port_is_free
 from test_run_real import _alive, _wait_for
 
@@ -117,6 +118,7 @@ def test_ranks_get_default_sigint_under_an_ignoring_launcher(tmp_path, colossal_
     )
     cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script)]  # fmt: skip
+
     def ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -150,3 +152,37 @@ def test_watchdog_stops_what_its_command_left_behind(tmp_path: Path) -> None:
         assert "left running" in done.stderr, done.stderr
     finally:
         kill_leftovers([pid])
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_watchdog_sighup_stops_unless_ignored(tmp_path: Path, ignored: bool) -> None:
+    """SIGHUP (a dropped ssh connection) stops the tree, unless the watchdog was started with
+    SIGHUP ignored: `nohup colossal run ...` must outlive the terminal that started it."""
+    body = (
+        "import pathlib, time\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "(here / 'started').write_text('')\n"
+        "time.sleep(3)\n"
+        "(here / 'finished').write_text('')\n"
+    )
+    cmd = [sys.executable, "-m", "colossal.cli.watchdog", "--grace", "1", "--", sys.executable,
+           "-c", body]  # fmt: skip
+
+    def sighup_disposition() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+
+    watchdog = subprocess.Popen(cmd, env=cli_env(), stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sighup_disposition)  # fmt: skip
+    try:
+        _wait_for(tmp_path / "started")
+        watchdog.send_signal(signal.SIGHUP)
+        _, err = watchdog.communicate(timeout=30)
+    finally:
+        kill_leftovers([watchdog.pid])
+    if ignored:
+        assert watchdog.returncode == 0, err
+        assert (tmp_path / "finished").exists(), "the command was stopped despite nohup"
+    else:
+        assert watchdog.returncode == 128 + signal.SIGHUP, err
+        assert "got SIGHUP: stopping 1 process (" in err, err
+        assert not (tmp_path / "finished").exists(), "the command was not stopped"

@@ -8,8 +8,9 @@ ranks, their own children) when:
 - the launcher is gone: end of file on ``--fd`` (the read end of a pipe whose write end only the
   launcher holds; the kernel closes it however the launcher dies, SIGKILL included), or the
   watchdog's parent process changed (the launcher, or under ssh the sshd session, exited);
-- the watchdog gets SIGTERM or SIGHUP (an ssh connection that drops hangs up the remote
-  terminal), or SIGINT unless it was started with SIGINT ignored (``nohup cmd &``);
+- the watchdog gets SIGTERM, SIGHUP (an ssh connection that drops hangs up the remote
+  terminal) or SIGINT, unless it was started with that signal ignored (SIGHUP under
+  ``nohup``, SIGINT in ``cmd &`` of a non-interactive shell): then it stays ignored;
 - the command exits while processes it started still run (ranks whose torchrun was killed).
 
 Stopping sends SIGTERM to every process of the tree, then SIGKILL to those still running after
@@ -161,6 +162,10 @@ def _say(text: str) -> None:
         pass
 
 
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def _launcher_gone(fd: int | None, ppid: int) -> str | None:
     """Why the launcher is known to be gone, or None while it runs."""
     if os.getppid() != ppid:
@@ -221,11 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         requested.append(signum)
 
-    handled = [signal.SIGTERM, signal.SIGHUP]
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        handled.append(signal.SIGINT)  # started with SIGINT ignored (nohup ... &): keep it so
-    for sig in handled:
-        signal.signal(sig, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        # Started with it ignored (SIGHUP under nohup, SIGINT in `cmd &` of a script): the
+        # caller asked this job to outlive that signal; keep it ignored.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, on_signal)
     _set_child_subreaper()
     try:
         child = subprocess.Popen(args.command)  # close_fds: the launcher's pipe stays here
@@ -252,15 +257,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(POLL)
     if reason is not None:
         left = descendants(os.getpid())
-        _say(f"{reason}: stopping {len(left)} processes (SIGTERM, SIGKILL after {args.grace:g} s)")
+        _say(
+            f"{reason}: stopping {_processes(len(left))} (SIGTERM, SIGKILL after {args.grace:g} s)"
+        )
         done = stop_tree(args.grace)
         if child.pid in done:
             child.returncode = done[child.pid]
         return 128 + requested[0] if requested else 128 + signal.SIGHUP
     left = descendants(os.getpid())
     if left:
-        _say(f"{args.command[0]} exited with code {code}; stopping the {len(left)} processes it "
-             f"left running (SIGTERM, SIGKILL after {args.grace:g} s)")  # fmt: skip
+        _say(f"{args.command[0]} exited with code {code}; stopping the {_processes(len(left))} "
+             f"it left running (SIGTERM, SIGKILL after {args.grace:g} s)")  # fmt: skip
         stop_tree(args.grace)
     return code
 

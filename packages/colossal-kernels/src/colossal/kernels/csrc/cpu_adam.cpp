@@ -53,9 +53,8 @@ inline float half_to_float(uint16_t h) {
   const uint32_t two_w = w + w;
   const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result =
-      sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized));
-  return bits_f32(result);
+  const uint32_t normal = 0u - static_cast<uint32_t>(two_w >= (1u << 27));  // mask, no branch
+  return bits_f32(sign | (f32_bits(normalized) & normal) | (f32_bits(denormalized) & ~normal));
 }
 
 inline uint16_t float_to_half(float f) {
@@ -64,22 +63,24 @@ inline uint16_t float_to_half(float f) {
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;  // a select, not a branch (vectorises)
   base = bits_f32((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = f32_bits(base);
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);  // mask, no branch
+  return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
 }
 
 inline float bf16_to_float(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
+// Branch-free (both results, then a select) so the portable loop vectorises.
 inline uint16_t float_to_bf16(float f) {
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 struct Hyper {
@@ -117,14 +118,20 @@ inline void store_copy_scalar(void* c, int64_t i, float x) {
   if (C == kFloat32) static_cast<float*>(c)[i] = x;
 }
 
-template <int G, int C>
-void portable_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
+enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
+
+inline int decay_kind(const Hyper& h) {
+  if (h.weight_decay == 0.0f) return kNoDecay;
+  return h.adamw_mode ? kDecoupled : kL2;
+}
+
+// Weight decay is a template parameter: a branch in the loop keeps it from vectorising.
+template <int G, int C, int W>
+void portable_loop(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
   const float b2 = h.beta2, omb1 = 1.0f - h.beta1, omb2 = 1.0f - h.beta2;
   const float wd = h.weight_decay, decay = 1.0f - h.lr * h.weight_decay;
   const float scale = h.grad_scale_inv, eps = h.eps;
   const float step_size = t.step_size, inv_bc2 = t.inv_bc2_sqrt;
-  const bool l2 = !h.adamw_mode && wd != 0.0f;
-  const bool decoupled = h.adamw_mode && wd != 0.0f;
   float* __restrict__ param = t.param;
   float* __restrict__ exp_avg = t.exp_avg;
   float* __restrict__ exp_avg_sq = t.exp_avg_sq;
@@ -133,17 +140,26 @@ void portable_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t 
   for (int64_t i = begin; i < end; ++i) {
     float g = load_grad_scalar<G>(grad, i) * scale;
     float p = param[i];
-    if (l2) g += wd * p;
+    if (W == kL2) g += wd * p;
     float m = exp_avg[i];
     m = m + omb1 * (g - m);
     const float v = b2 * exp_avg_sq[i] + omb2 * g * g;
     const float denom = std::sqrt(v) * inv_bc2 + eps;
-    if (decoupled) p *= decay;
+    if (W == kDecoupled) p *= decay;
     p = p - step_size * (m / denom);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     param[i] = p;
     store_copy_scalar<C>(copy, i, p);
+  }
+}
+
+template <int G, int C>
+void portable_range(const TensorArgs& t, const Hyper& h, int64_t begin, int64_t end) {
+  switch (decay_kind(h)) {
+    case kL2: portable_loop<G, C, kL2>(t, h, begin, end); break;
+    case kDecoupled: portable_loop<G, C, kDecoupled>(t, h, begin, end); break;
+    default: portable_loop<G, C, kNoDecay>(t, h, begin, end); break;
   }
 }
 

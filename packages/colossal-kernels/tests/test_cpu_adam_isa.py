@@ -163,6 +163,14 @@ def test_isa_choice_errors(lib, monkeypatch):
     assert CppAdam(lib).simd == supported_isas(lib)[-1]  # auto: the best one
 
 
+def test_bad_isa_env_degrades_to_torch_with_the_reason(lib, monkeypatch):
+    monkeypatch.setenv(ISA_ENV, "avx1024")
+    REGISTRY.reset("cpu_adam")
+    assert not isinstance(REGISTRY.get("cpu_adam", "cpu"), CppAdam)
+    status = REGISTRY.status("cpu_adam", "cpu")
+    assert status.implementation == "torch" and f"{ISA_ENV}='avx1024'" in status.reason
+
+
 def test_unrunnable_isa_names_the_alternatives():
     class OnlyPortable:  # a library on a CPU without AVX2
         def colossal_adam_supported_isas(self) -> int:

@@ -14,8 +14,9 @@ step's optimizer update waits for it (the fence). "blocked" is the save call plu
 "compute_s" shows how much the step itself slowed down next to the same step alone. DCP's
 ``async_save`` row counts only its call, which copies the state. Our sync save writes DDP's
 replicated state in place (every rank its share of the tensors, straight into the final
-files); ``--staging`` measures the earlier way instead (each file written whole by one rank,
-the ranks meeting in a staging folder: ``CheckpointIO(write_in_place=False)``).
+files); ``--staging`` also times the earlier way in the same rounds (each file written whole
+by one rank with ``O_DIRECT``, the ranks meeting in a staging folder:
+``CheckpointIO(write_in_place=False)``).
 
     python benchmarks/checkpoint.py [--quick] [--world 2] [--rounds 3] [--batch 64] [--dir /tmp/x]
                                     [--staging]
@@ -137,11 +138,11 @@ def run(
     here = os.path.join(root, "work")
     os.makedirs(here, exist_ok=True)
     booster = Booster(plugin=TorchDDPPlugin())
-    booster.checkpoint_io.write_in_place = not staging
     bmodel, bopt, *_ = booster.boost(model, optimizer)
     inner = bmodel.unwrap()
 
-    def save_ours(use_async: bool) -> None:
+    def save_ours(use_async: bool, in_place: bool = True) -> None:
+        booster.checkpoint_io.write_in_place = in_place
         booster.save_model(
             bmodel, f"{here}/model", shard=True, size_per_shard=shard_mb, use_async=use_async
         )
@@ -168,17 +169,18 @@ def run(
     # 1. Rounds of the three writers in rotating order, each write (and its load) on blocks
     # the previous write freed; round -1 warms up, untimed.
     times: dict[str, list[float]] = {k: [] for k in ("disk", "ours", "ours_load", "dcp",
-                                                      "dcp_load")}
-    kinds = ["disk", "ours", "dcp"]
+                                                      "dcp_load", "staging", "staging_load")}
+    kinds = ["disk", "ours", "dcp"] + (["staging"] if staging else [])
     for i in range(-1, rounds):
-        for kind in kinds[i % 3:] + kinds[: i % 3]:
+        for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
             if kind == "disk":  # every rank writes its share of the checkpoint in parallel
                 spent = {"disk": disk_write(os.path.join(here, f"disk{rank}.bin"),
                                             total // world, keep=True)}
-            elif kind == "ours":
-                spent = {"ours": timed(lambda: save_ours(False))}
+            elif kind in ("ours", "staging"):
+                in_place = kind == "ours"
+                spent = {kind: timed(lambda in_place=in_place: save_ours(False, in_place))}
                 evict_from_cache(rank, here)
-                spent["ours_load"] = timed(load_ours)
+                spent[f"{kind}_load"] = timed(load_ours)
             else:
                 spent = {"dcp": timed(save_dcp)}
                 evict_from_cache(rank, here)
@@ -189,12 +191,17 @@ def run(
             clear_directory(rank, here)
     rows: list[dict[str, Any]] = [
         {"method": "disk write (fsync, all ranks)", **spread("save", times["disk"])},
-        {"method": "colossal save (sync)" + (" [staging]" if staging else ""),
-         **spread("save", times["ours"]),
+        {"method": "colossal save (sync)", **spread("save", times["ours"]),
          **spread("load", times["ours_load"]),
          "vs_disk_paired": paired_median(times["disk"], times["ours"]),
          "vs_dcp_paired": paired_median(times["dcp"], times["ours"])},
     ]
+    if staging:
+        rows.append({"method": "colossal save (sync, staging)", **spread("save", times["staging"]),
+                     **spread("load", times["staging_load"]),
+                     "vs_disk_paired": paired_median(times["disk"], times["staging"]),
+                     "vs_dcp_paired": paired_median(times["dcp"], times["staging"])})
+        rows[1]["vs_staging_paired"] = paired_median(times["staging"], times["ours"])
     # 2. Async: save, then the next training step runs while the snapshot is taken; its
     # optimizer.step() must wait for the snapshot (the fence, timed here explicitly). The
     # training thread is blocked for the save call plus that wait.
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help="timed rounds of disk write, our save and DCP's (rotating order)")
     parser.add_argument("--staging", action="store_true",
-                        help="sync saves through the staging folder (write_in_place=False)")
+                        help="also time sync saves through the staging folder "
+                        "(write_in_place=False) in the same rounds")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds} must be >= 1")
@@ -274,11 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         markdown_table(
             rows, ["method", "GB", "save_s", "save_min_s", "save_max_s", "save_GB_s",
-                   "blocked_s", "compute_s", "load_s", "vs_disk_paired", "vs_dcp_paired"]
+                   "blocked_s", "compute_s", "load_s", "vs_disk_paired", "vs_dcp_paired",
+                   *(["vs_staging_paired"] if args.staging else [])]
         )
     )
     by = {r["method"]: r for r in rows}
-    ours = by["colossal save (sync)" + (" [staging]" if args.staging else "")]
+    ours = by["colossal save (sync)"]
     ours_async = by["colossal save (async, repeat)"]
     goals = [
         goal(

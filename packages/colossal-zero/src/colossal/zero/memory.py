@@ -21,12 +21,13 @@ class MemoryReport:
 
     Attributes:
         working_params: The model's parameters (flat buffers plus frozen parameters).
-        grads: Gradient storage held between steps (full buffers in stage 1, slices in stage 2).
+        grads: Gradient storage held now: stage 1's full buffers (always); stage 2's slices
+            (from the first backward of a step until the step; none between steps).
         master_params: fp32 master copies (0 when the masters are the working slices).
         optimizer_states: Tensors of the wrapped optimizer's state.
-        comm_buffers: Stage-2 bucket buffers kept for the next step's reductions (scratch
-            of at most two buckets, as DeepSpeed's IPG buckets; not model state, not in
-            :attr:`total`).
+        comm_buffers: Stage-2 bucket buffers kept for the step's next reductions (scratch
+            of at most two buckets, as DeepSpeed's IPG buckets, freed with the gradient
+            slices after the step; not model state, not in :attr:`total`).
     """
 
     working_params: int

@@ -8,6 +8,11 @@ bucket's collective is started (asynchronously, when overlapping) as soon as all
 gradients have arrived and every earlier bucket has been started; whatever remains is started
 when backward ends, with zeros for parameters that got no gradient, so every rank issues the
 same collectives in the same order whatever its graph used.
+
+Stage 2 holds gradient memory only from the first backward of a step to the end of the step:
+:meth:`GradReducer.reset` (after ``step``, at ``zero_grad``) frees the gradient slices and the
+bucket buffers, so between steps a rank holds its parameters, master slices and optimizer
+state slices only (the ZeRO-2 formula).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from colossal.core.comm import CommWork, all_reduce, reduce_scatter, shm
 from colossal.zero.layout import Bucket, GroupLayout, ParamSlot
 
 KEEP_BUFFERS = 2
-"""Stage-2 bucket buffers kept between steps (each ``reduce_bucket_size`` elements at most)."""
+"""Stage-2 bucket buffers kept for the next bucket of the same step (freed by ``reset``)."""
 
 
 @dataclass
@@ -93,10 +98,8 @@ class GradReducer:
             for lay in self.layouts
         ]
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        # Stage 2 reuses memory across steps: fresh buffers of tens of MB cost page faults on
-        # every step (the allocator returns them to the OS). The gradient slices of the last
-        # step receive the next reduce-scatters; up to KEEP_BUFFERS bucket buffers are kept.
-        self._spare_shards: dict[int, torch.Tensor] = {}
+        # Stage 2: a reduced bucket's buffer serves the next bucket of the same backward (up
+        # to KEEP_BUFFERS are kept); reset() frees them with the gradient slices.
         self._spare_buffers: list[torch.Tensor] = []
         self._device = device
         # Stage 1 with gradients in the parameters' dtype: after a parameter's first gradient
@@ -219,11 +222,9 @@ class GradReducer:
         if self.partition_grad:
             buf = state.buffer
             assert buf is not None
-            out = self._spare_shards.pop(bucket.order, None)
-            if out is None:
-                out = torch.empty(
-                    bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
-                )
+            out = torch.empty(
+                bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
+            )
             work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
             post: Callable[[], None] | None = self._accumulate_shard(bucket, state, out)
         else:
@@ -319,17 +320,17 @@ class GradReducer:
     def reset(self, set_to_none: bool = True) -> None:
         """Forget all gradients (zero_grad / after a step).
 
+        Stage 2 frees its gradient slices and bucket buffers here: nothing of them is held
+        between steps.
+
         Args:
             set_to_none: Leave ``param.grad`` None (the flat buffer is overwritten by the
                 next gradients, not zeroed); else zero it and attach views (stage 1).
         """
         self.wait()
         self._states = [_BucketState() for _ in self.buckets]
-        for order, shard in enumerate(self.grad_shards):
-            if (shard is not None and shard.dtype == self.comm_dtype
-                    and shard.device == torch.device(self._device)):
-                self._spare_shards[order] = shard  # the next reduce-scatter writes into it
         self.grad_shards = [None] * len(self.buckets)
+        self._spare_buffers.clear()
         self._next = 0
         if self.grad_views and not set_to_none:
             for flat in self.flat_grads:
@@ -342,12 +343,11 @@ class GradReducer:
                     slot.param.grad = None
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds now (slices kept for the next step too)."""
+        """Bytes of gradient storage this rank holds now (stage 2: none between steps)."""
         total = sum(t.numel() * t.element_size() for t in self.flat_grads if t is not None)
         total += sum(t.numel() * t.element_size() for t in self.grad_shards if t is not None)
-        total += sum(t.numel() * t.element_size() for t in self._spare_shards.values())
         return total
 
     def buffer_bytes(self) -> int:
-        """Bytes of stage-2 bucket buffers kept for reuse (scratch, not model state)."""
+        """Bytes of stage-2 bucket buffers kept for the step's next buckets (0 between steps)."""
         return sum(t.numel() * t.element_size() for t in self._spare_buffers)

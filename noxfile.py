@@ -10,6 +10,11 @@
   index), its ``test`` extra and pytest; checks the installed import, then runs
   ``packages/<dist>/tests`` from outside the source tree so the installed wheel is tested.
 * ``integration``: every package's wheel installed together, pytest on ``integration-tests/``.
+* ``newest_transformers``: like ``tests``, but with the newest ``transformers<6`` the index
+  serves instead of the ``constraints.txt`` pin (the README's first command installs the
+  newest release, CI pins one): colossal-shardformer's tests of every policy and the
+  meta-package's hybrid tests (``NEWEST_TRANSFORMERS_TESTS``), so a release that breaks a
+  policy fails CI.
 
 Extra arguments after ``--`` go to pytest, e.g.
 ``python3 -m nox -s "tests(package='colossal-core')" -- -x -k mesh``.
@@ -54,6 +59,32 @@ IMPORT_NAMES = {"colossal": "colossal.booster"}
 # their heavy dependencies only when used).
 MUST_STAY_UNIMPORTED = {
     "colossal": ("colossal.gemini", "colossal.shardformer", "transformers"),
+}
+# The newest_transformers session: transformers unpinned below its next major, and the tests
+# that run Hugging Face models through the shardformer policies. Entries are file globs or
+# "file::test" node ids under packages/<dist>/tests. The shardformer part is a subset that
+# still covers every policy (the full directory took ~3 of the session's ~7 minutes, over CI's
+# budget): each hand-written policy (GPT-2, BERT, ViT, OPT, Bloom) sharded at TP 4, the
+# base_model_tp_plan policy on its families, every family's pipeline stages (in one process
+# and at PP 4), sequence parallelism on every family, attention through transformers'
+# AttentionInterface, config and policy validation, gradient checkpointing of the 5.x layers.
+# The meta-package adds the hybrid plugin (TP x PP x DP, its checkpoints, LoRA) and the
+# tensor-parallel state dicts.
+UNPINNED = "transformers"
+NEWEST_TRANSFORMERS = "transformers>=5,<6"
+NEWEST_TRANSFORMERS_TESTS: dict[str, tuple[str, ...]] = {
+    "colossal-shardformer": (
+        "test_policy_families.py::test_all_families_tp4",
+        "test_tp_plan_models.py",
+        "test_pp_plan.py",
+        "test_pp_models.py::test_pp4_every_family_1f1b",
+        "test_sp_split_gather.py",
+        "test_framework_attention.py",
+        "test_framework_config.py",
+        "test_policy_checks.py",
+        "test_grad_ckpt.py",
+    ),
+    "colossal": ("test_hybrid_*.py", "test_state_tp_*.py"),
 }
 # Pytest exit code when it collected no tests.
 PYTEST_NO_TESTS = 5
@@ -180,8 +211,8 @@ def _junit_path(name: str) -> Path:
     return RESULTS_DIR / f"{name}.xml"
 
 
-def _session_env(session: nox.Session) -> None:
-    session.env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+def _session_env(session: nox.Session, constraints: Path = CONSTRAINTS) -> None:
+    session.env["PIP_CONSTRAINT"] = str(constraints)
     session.env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     session.env["PIP_NO_INPUT"] = "1"
     session.env["PYTHONDONTWRITEBYTECODE"] = "1"  # keep the source tree free of __pycache__
@@ -198,11 +229,13 @@ def _install_torch(session: nox.Session) -> None:
     )
 
 
-def _build_wheels(session: nox.Session, dists: list[str]) -> dict[str, Path]:
+def _build_wheels(
+    session: nox.Session, dists: list[str], constraints: Path = CONSTRAINTS
+) -> dict[str, Path]:
     """Build one wheel per distribution into the session's temp dir; returns dist -> wheel."""
     packages = discover_packages()
     build_requires = sorted({r for d in dists for r in packages[d].build_requires})
-    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), *build_requires)
+    session.install("-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *build_requires)
     wheel_dir = _work_dir(session, "wheels")
     session.run(
         "python",
@@ -225,7 +258,10 @@ def _build_wheels(session: nox.Session, dists: list[str]) -> dict[str, Path]:
 
 
 def _install_wheels(
-    session: nox.Session, wheels: dict[str, Path], extra_requirements: list[Requirement]
+    session: nox.Session,
+    wheels: dict[str, Path],
+    extra_requirements: list[Requirement],
+    constraints: Path = CONSTRAINTS,
 ) -> None:
     """Install the local wheels by path together with the other requirements, in one go.
 
@@ -243,9 +279,7 @@ def _install_wheels(
     for dist, wheel in sorted(wheels.items()):
         extras = sorted(sibling_extras.get(dist, ()))
         args.append(f"{wheel}[{','.join(extras)}]" if extras else str(wheel))
-    session.install(
-        "-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), *args, *others, "pytest"
-    )
+    session.install("-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *args, *others, "pytest")
 
 
 def _check_imports(session: nox.Session, modules: list[str], forbidden: tuple[str, ...]) -> None:
@@ -271,9 +305,14 @@ def _check_imports(session: nox.Session, modules: list[str], forbidden: tuple[st
 
 
 def _run_pytest(
-    session: nox.Session, target: Path, junit_name: str, success_codes: tuple[int, ...] = (0,)
+    session: nox.Session,
+    target: Path | list[Path],
+    junit_name: str,
+    success_codes: tuple[int, ...] = (0,),
 ) -> Path:
-    """Run pytest on ``target`` from an empty directory; returns the JUnit XML path.
+    """Run pytest on ``target`` (a directory, test files or node ids) from an empty directory.
+
+    Returns the JUnit XML path.
 
     The working directory is outside the source tree, so only the installed wheels provide
     ``colossal.*``. pytest's default ``prepend`` import mode puts the tests directory itself on
@@ -286,7 +325,7 @@ def _run_pytest(
             "python",
             "-m",
             "pytest",
-            str(target),
+            *(str(t) for t in (target if isinstance(target, list) else [target])),
             f"--junitxml={junit}",
             "-o",
             f"junit_suite_name={junit_name}",
@@ -297,6 +336,19 @@ def _run_pytest(
             success_codes=list(success_codes),
         )
     return junit
+
+
+def _constraints_without(session: nox.Session, name: str) -> Path:
+    """``constraints.txt`` minus the pin of ``name``, written into the session's virtualenv."""
+    kept = []
+    for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines():
+        spec = line.split("#", 1)[0].strip()
+        if spec and canonicalize_name(Requirement(spec).name) == canonicalize_name(name):
+            continue
+        kept.append(line)
+    path = _work_dir(session, "constraints") / "constraints.txt"
+    path.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    return path
 
 
 def _collected_no_tests(junit: Path) -> bool:
@@ -381,3 +433,40 @@ def integration(session: nox.Session) -> None:
             f"NOTE: {rel}/ has no test files yet, so pytest collected nothing (exit "
             f"{PYTEST_NO_TESTS}); accepted in the integration session only."
         )
+
+
+@nox.session
+def newest_transformers(session: nox.Session) -> None:
+    """The shardformer and hybrid tests against the newest ``transformers<6`` of the index.
+
+    ``constraints.txt`` pins the transformers release CI was last checked with; users who
+    follow the README get the newest one. This session drops that pin (torch stays pinned
+    and is installed first), installs ``transformers>=5,<6`` fresh, logs the version it got,
+    and runs ``NEWEST_TRANSFORMERS_TESTS`` against the installed wheels.
+    """
+    packages = discover_packages()
+    constraints = _constraints_without(session, UNPINNED)
+    _session_env(session, constraints)
+    roots = list(NEWEST_TRANSFORMERS_TESTS)
+    test_requirements = [r for d in roots for r in packages[d].test_requirements]
+    dists = sibling_closure(session, [*roots, *_sibling_names(tuple(test_requirements))])
+    _install_torch(session)
+    wheels = _build_wheels(session, dists, constraints)
+    newest = [*test_requirements, Requirement(NEWEST_TRANSFORMERS)]
+    _install_wheels(session, wheels, newest, constraints)
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers; print('transformers', transformers.__version__);"
+        f" assert torch.__version__.split('+')[0] == {TORCH.split('==')[1]!r}, torch.__version__",
+    )
+    for dist, entries in NEWEST_TRANSFORMERS_TESTS.items():
+        tests_dir = packages[dist].path / "tests"
+        targets: list[Path] = []
+        for entry in entries:
+            pattern, sep, test = entry.partition("::")
+            files = sorted(tests_dir.glob(pattern))
+            if not files:  # a renamed file must not silently drop out of the session
+                session.error(f"{entry!r} matches nothing in {tests_dir.relative_to(REPO)}")
+            targets.extend(Path(f"{f}{sep}{test}") for f in files)
+        _run_pytest(session, targets, f"newest-transformers-{dist}")

@@ -15,6 +15,7 @@ from colossal.kernels.optim._functional import (
     AdamHyper,
     CppAdam,
     supported_isas,
+    torch_adam_step,
 )
 
 ISAS = ["avx512", "avx2", "portable"]
@@ -106,6 +107,30 @@ def test_copy_rounds_like_torch(lib, isa, copy_dtype):
     assert torch.equal(torch.isnan(copy), torch.isnan(expected))
     keep = ~torch.isnan(expected)
     assert torch.equal(copy[keep].view(torch.int16), expected[keep].view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_step_streams_copies_correctly(lib, isa):
+    """Steps over >= 2**22 elements write aligned copies with non-temporal stores."""
+    _need(lib, isa)
+    n = (1 << 21) + 37  # three tensors: 6.3M elements
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(n, generator=g) for _ in range(3)]
+    ref = [p.clone() for p in params]
+    unaligned = torch.empty(n + 1, dtype=torch.bfloat16)[1:]  # 2-byte offset: plain stores
+    copies = [torch.empty(n, dtype=torch.float16), unaligned, torch.empty(n)]
+    state = [torch.zeros(n) for _ in range(6)]
+    ref_state = [torch.zeros(n) for _ in range(6)]
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1,
+                      adamw_mode=True, bias_correction=True, div_scale=8.0)
+    kernel = CppAdam(lib, isa=isa)
+    for step in (1, 2):
+        grads = [torch.randn(n, generator=g).to(d) for d in DTYPES]
+        kernel(params, grads, state[:3], state[3:], copies, [step] * 3, hyper)
+        torch_adam_step(ref, grads, ref_state[:3], ref_state[3:], [None] * 3, [step] * 3, hyper)
+    for p, r, c in zip(params, ref, copies, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, p.to(c.dtype))
 
 
 def _run_threads(kernel: CppAdam, num_threads: int | None = None) -> int:

@@ -1,4 +1,4 @@
-"""CPUAdam: fused Adam/AdamW for CPU params (C++ AVX-512 kernel, torch fallback)."""
+"""CPUAdam: fused Adam/AdamW for CPU params (C++ AVX-512/AVX2/portable kernel, torch fallback)."""
 
 from __future__ import annotations
 

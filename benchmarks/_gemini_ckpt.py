@@ -39,7 +39,7 @@ def _dir_bytes(path: str) -> int:
 def _streamed_save(model: Any, optim: Any, root: str, nbytes: int) -> dict[str, Any]:
     """The previous save path: streamed through per-chunk gathers to each file's writer."""
     try:
-        from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+        from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
 
         io = GeminiCheckpointIO()
         io._in_place = lambda manager: False  # type: ignore[method-assign]
@@ -90,7 +90,7 @@ def checkpoint_rows(
     over an existing checkpoint (which also deletes the replaced files inside the save) and
     the previous save path.
     """
-    from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+    from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
 
     io = GeminiCheckpointIO()
     times: dict[str, list[float]] = {k: [] for k in ("disk", "save", "load", "over", "streamed")}

@@ -9,40 +9,7 @@ from __future__ import annotations
 
 # (importing file, relative to the repository root; the non-exported module it reaches into)
 _REWRITE = "the importing file is being rewritten; import the name from the package after it"
-_CORE_INIT = "needs a re-export in colossal/core/__init__.py (being rewritten with sharded_state)"
 ALLOWED_DEEP_IMPORTS: dict[tuple[str, str], str] = {
-    # METADATA_GETTERS is not in colossal.core's __all__
-    (
-        "packages/colossal-gemini/src/colossal/gemini/ddp/outside.py",
-        "colossal.core.tensor_reads",
-    ): _CORE_INIT,
-    (
-        "packages/colossal-zero/src/colossal/zero/param_gather.py",
-        "colossal.core.tensor_reads",
-    ): _CORE_INIT,
-    # get_logger is in colossal.core's __all__: take it from there once the file is done
-    (
-        "packages/colossal-kernels/src/colossal/kernels/_jit.py",
-        "colossal.core.logging",
-    ): _REWRITE,
-    # warn_once is not in colossal.core's __all__ (get_logger is, and is imported from there)
-    (
-        "packages/colossal-kernels/src/colossal/kernels/registry.py",
-        "colossal.core.logging",
-    ): _CORE_INIT,
-    # register_partial_grad_hooks / get_autopolicy: not re-exported by their subpackages
-    (
-        "packages/colossal/src/colossal/booster/plugin/gemini.py",
-        "colossal.shardformer.sequence.grad_sync",
-    ): _REWRITE,
-    (
-        "packages/colossal/src/colossal/booster/plugin/hybrid_parallel.py",
-        "colossal.shardformer.sequence.grad_sync",
-    ): _REWRITE,
-    (
-        "packages/colossal/src/colossal/booster/plugin/hybrid_parallel.py",
-        "colossal.shardformer.policies.auto_policy",
-    ): _REWRITE,
     # encode_header is not re-exported by colossal.core.io
     (
         "packages/colossal/src/colossal/checkpoint_io/inplace.py",

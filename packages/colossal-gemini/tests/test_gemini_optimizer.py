@@ -289,6 +289,18 @@ def test_mixed_precision_loss_scaling_and_clipping(rank: int, world_size: int) -
 
 
 @distributed_test(2)
+def test_fp16_step_that_grows_the_scale_unscales_by_the_old_one(rank: int,
+                                                                world_size: int) -> None:
+    """growth_interval=1: the loss scale doubles at every step. Each update must be unscaled
+    by the scale the loss carried (catches dividing by the grown scale: every update half as
+    large, the masters then off by ~1e-1, far beyond fp16's 2e-3)."""
+    opt, gem, ref, *_ = _run_case(rank, world_size, torch.float16, _sgd, _sgd,
+                                  initial_scale=2**4, growth_interval=1)
+    assert opt.loss_scale == 2**4 * 2**STEPS
+    _check_masters(opt, ref, atol=2e-3, rtol=2e-3)
+
+
+@distributed_test(2)
 def test_fp16_overflow_skips_the_step_on_every_rank(rank: int, world_size: int) -> None:
     """An inf in rank 0's gradient shard only: every rank skips, backs off, drops grads.
 

@@ -24,7 +24,7 @@ def test_import_is_lazy() -> None:
         "bad = [m for m in sys.modules if m.split('.')[0] == 'transformers'"
         " or m.startswith(('colossal.gemini', 'colossal.shardformer'))]\n"
         "assert not bad, bad\n"
-        "assert 'colossal.booster.plugin.torch_fsdp' not in sys.modules\n"
+        "assert 'colossal.booster.plugin.fsdp.plugin' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

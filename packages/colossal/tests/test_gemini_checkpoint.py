@@ -29,8 +29,8 @@ from booster_testlib import (
 from safetensors.torch import load_file
 from torch import nn
 
-from colossal.booster.plugin import gemini_checkpoint_io
-from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+from colossal.booster.plugin.gemini import checkpoint_io as gemini_checkpoint_io
+from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
 from colossal.core.testing import spawn
 from colossal.gemini import ChunkGatherer, GeminiDDP, GeminiOptimizer
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hybrid_testlib import MODELS, full, global_batch, make_optimizer, mean_over, reference, rows
 
 from colossal.booster import Booster
-from colossal.booster.plugin.hybrid_config import HybridConfig
+from colossal.booster.plugin.hybrid.config import HybridConfig
 from colossal.core.testing import distributed_test, relative_error
 
 STEPS = 3

@@ -21,7 +21,7 @@ import torch
 from booster_testlib import local_batch, make_model, make_optimizer
 from torch import nn
 
-from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
 from colossal.checkpoint_io import CheckpointError, inplace
 from colossal.checkpoint_io.checksum import crc32, crc32_combine
 from colossal.checkpoint_io.inplace import Piece, check_tiling, combine_pieces
@@ -250,7 +250,7 @@ _KILL_MID_WRITE = textwrap.dedent(
     """
     import os, sys, torch
     from colossal.checkpoint_io import inplace
-    from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
+    from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
     from colossal.gemini import GeminiDDP
 
     path = sys.argv[1]

@@ -172,12 +172,13 @@ def test_lora_refusals(tmp_path: Path) -> None:
     from colossal.booster.plugin import Plugin
 
     class NoLora(Plugin):
-        supported_devices = supported_precisions = lambda self: ["cpu"]  # noqa: E731
-        control_precision = support_no_sync = lambda self: False  # noqa: E731
         configure = get_checkpoint_io = lambda self, *a: None  # noqa: E731
 
-    with pytest.raises(NotImplementedError, match="does not support LoRA"):
+    with pytest.raises(NotImplementedError, match="does not support LoRA") as refused:
         Booster(plugin=NoLora()).enable_lora(make_gpt2(), lora_config=lora_config())
+    for name in ("TorchDDPPlugin", "LowLevelZeroPlugin", "TorchFSDPPlugin", "GeminiPlugin",
+                 "HybridParallelPlugin"):  # every plugin that supports LoRA is named
+        assert name in str(refused.value)
 
 
 def test_import_does_not_load_peft() -> None:

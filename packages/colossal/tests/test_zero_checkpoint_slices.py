@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from colossal.booster import Booster
-from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
+from colossal.booster.plugin.zero.checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import OPTIMIZER_INDEX, TensorReader
 from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_state import indexed_to_named

@@ -6,6 +6,7 @@ precision, wrapper interfaces, async tensor file IO and logging.
 
 from colossal.core.__about__ import __version__
 from colossal.core.accelerator import BaseAccelerator, get_accelerator
+from colossal.core.accumulation import GradientAccumulator, is_accumulating
 from colossal.core.comm import CommError, CommTracker
 from colossal.core.coordinator import DistCoordinator
 from colossal.core.grad_norm import clip_grad_norm_, grad_norm
@@ -24,6 +25,7 @@ from colossal.core.logging import (
     disable_existing_loggers,
     get_dist_logger,
     get_logger,
+    warn_once,
 )
 from colossal.core.mesh import ProcessGroupMesh
 from colossal.core.parallel_dims import ParallelDims
@@ -55,8 +57,10 @@ from colossal.core.sharded import (
     sharded_view,
     whole_shape,
 )
+from colossal.core.tensor_reads import METADATA_GETTERS
 
 __all__ = [
+    "METADATA_GETTERS",
     "Absent",
     "BaseAccelerator",
     "Block",
@@ -68,6 +72,7 @@ __all__ = [
     "DistributedLogger",
     "DynamicGradScaler",
     "FlatRange",
+    "GradientAccumulator",
     "ImpliedAxes",
     "LocalPart",
     "LocalShard",
@@ -94,6 +99,7 @@ __all__ = [
     "get_dist_logger",
     "get_logger",
     "grad_norm",
+    "is_accumulating",
     "keep_alive",
     "destroy",
     "launch",
@@ -108,5 +114,6 @@ __all__ = [
     "shard_source",
     "shard_spec",
     "sharded_view",
+    "warn_once",
     "whole_shape",
 ]

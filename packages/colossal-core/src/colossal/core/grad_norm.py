@@ -193,7 +193,7 @@ def _grad_placements(
     tensors: Sequence[torch.Tensor],
 ) -> list[tuple[torch.Tensor, tuple[Placement, ...], Sequence[int]]]:
     """``(local gradient, placements, whole shape)`` of every tensor with a gradient."""
-    out = []
+    out: list[tuple[torch.Tensor, tuple[Placement, ...], Sequence[int]]] = []
     for t in tensors:
         grad = t.grad
         if grad is None:

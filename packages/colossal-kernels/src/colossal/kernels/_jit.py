@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from colossal.core.logging import get_logger
+from colossal.core import get_logger
 
 logger = get_logger(__name__)
 

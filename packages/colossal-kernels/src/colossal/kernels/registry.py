@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from colossal.core.logging import get_logger, warn_once
+from colossal.core import get_logger, warn_once
 
 logger = get_logger(__name__)
 

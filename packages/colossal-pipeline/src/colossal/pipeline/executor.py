@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colossal.core import GradientAccumulator
 from colossal.pipeline.ir import RECVS, Action, ActionType, ScheduleIR, TimelineEvent
 from colossal.pipeline.microbatch import merge_outputs
 from colossal.pipeline.p2p import PendingRecv, PipelineP2P
@@ -350,15 +351,17 @@ class StageExecutor:
 
 
 def _local_accumulation(optimizer: Any) -> Callable[[], Any] | None:
-    """``optimizer.no_sync`` if it has one (checked to work), else ``None``.
+    """``optimizer.no_sync`` of a gradient accumulator (checked to work), else ``None``.
+
+    The optimizer must implement :class:`colossal.core.GradientAccumulator`.
 
     Raises:
         ValueError: the optimizer refuses to accumulate locally (e.g. ZeRO stage 2); raised
             before the step communicates, so no stage is left waiting.
     """
-    no_sync = getattr(optimizer, "no_sync", None) if optimizer is not None else None
-    if not callable(no_sync):
+    if not isinstance(optimizer, GradientAccumulator):
         return None
+    no_sync = optimizer.no_sync
     try:
         with no_sync():
             pass

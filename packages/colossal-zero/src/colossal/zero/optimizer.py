@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -557,3 +557,10 @@ def _tensors(value: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[to
     raise TypeError(
         f"{name} must be a tensor or a sequence of tensors, got {type(value).__name__}"
     )
+
+
+if TYPE_CHECKING:  # a type checker verifies the accumulation contract
+    from colossal.core import GradientAccumulator
+
+    def _accumulates(obj: LowLevelZeroOptimizer) -> GradientAccumulator:
+        return obj

@@ -27,8 +27,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from colossal.core import METADATA_GETTERS
 from colossal.core.comm import CommWork, all_gather, shm
-from colossal.core.tensor_reads import METADATA_GETTERS
 from colossal.zero.layout import Bucket
 
 # Calls that never read a parameter's values: attribute reads, shape queries and setting or

@@ -351,3 +351,9 @@ def _covering(value: ShardedTensor, name: str, index: int, start: int, stop: int
             f"FlatRange({start}, {stop}); read the part sharded_params() reports"
         )
     return held.real(value.local())[start - held.start : stop - held.start]
+
+
+if TYPE_CHECKING:  # a type checker verifies that these implement the protocol
+
+    def _implements(tensor: StateRef) -> ShardedTensor:
+        return tensor

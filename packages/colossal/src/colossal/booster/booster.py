@@ -265,8 +265,10 @@ class Booster:
         """
         from colossal.booster.plugin.lora import save_lora_as_pretrained
 
+        reader = self.plugin.lora_reader(model) if self.plugin is not None else None
         save_lora_as_pretrained(
-            model, checkpoint, use_safetensors, group=getattr(self.checkpoint_io, "group", None)
+            model, checkpoint, use_safetensors, group=getattr(self.checkpoint_io, "group", None),
+            reader=reader,
         )
 
     # ---- checkpoints -----------------------------------------------------------------------

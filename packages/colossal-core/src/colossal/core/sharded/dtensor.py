@@ -7,13 +7,13 @@ it. Mesh dimensions apply in order, as torch lays out a tensor sharded twice alo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from colossal.core.sharded.parts import Block
 from colossal.core.sharded.placement import Placement, Replicate
-from colossal.core.sharded.protocol import Placed
+from colossal.core.sharded.protocol import Placed, ShardedTensor
 
 __all__ = ["DTensorShard", "dtensor_placements"]
 
@@ -109,3 +109,9 @@ class DTensorShard(Placed):
 
     def __repr__(self) -> str:
         return f"DTensorShard(shape={tuple(self.shape)}, placements={list(self._placements)})"
+
+
+if TYPE_CHECKING:  # a type checker verifies that these implement the protocol
+
+    def _implements(tensor: DTensorShard) -> ShardedTensor:
+        return tensor

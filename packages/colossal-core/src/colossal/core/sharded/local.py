@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from colossal.core.sharded.gather import this_rank
 from colossal.core.sharded.parts import Block, Blocks, FlatRange, check_shape
 from colossal.core.sharded.placement import Owned, Placement, level_shapes
-from colossal.core.sharded.protocol import Placed, placements_of
+from colossal.core.sharded.protocol import Placed, ShardedTensor, placements_of
 
 logger = logging.getLogger(__name__)
 
@@ -220,3 +221,9 @@ class Absent(Placed):
 
     def __repr__(self) -> str:
         return f"Absent(shape={tuple(self._shape)}, placements={list(self._placements)})"
+
+
+if TYPE_CHECKING:  # a type checker verifies that these implement the protocol
+
+    def _implements(tensor: LocalShard | Replicated | Absent) -> ShardedTensor:
+        return tensor

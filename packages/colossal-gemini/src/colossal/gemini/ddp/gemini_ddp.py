@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -355,6 +355,11 @@ class GeminiDDP(ModelWrapper):
         finally:
             self._no_sync = False
 
+    @property
+    def accumulating(self) -> bool:
+        """Whether backward passes now accumulate (inside :meth:`no_sync`)."""
+        return self._no_sync
+
     # ------------------------------------------------------------------ optimizer interface
     def trainable_shards(self) -> list[TrainableShard]:
         """``(name, param, chunk)`` of every trainable parameter, in chunk order.
@@ -453,3 +458,10 @@ class GeminiDDP(ModelWrapper):
             if name in state_dict:
                 buf.copy_(state_dict[name])
         return None
+
+
+if TYPE_CHECKING:  # a type checker verifies the accumulation contract
+    from colossal.core import GradientAccumulator
+
+    def _accumulates(obj: GeminiDDP) -> GradientAccumulator:
+        return obj

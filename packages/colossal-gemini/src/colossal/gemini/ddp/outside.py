@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.overrides import TorchFunctionMode
 
-from colossal.core.tensor_reads import METADATA_GETTERS
+from colossal.core import METADATA_GETTERS
 from colossal.gemini.chunk import TensorState
 
 if TYPE_CHECKING:

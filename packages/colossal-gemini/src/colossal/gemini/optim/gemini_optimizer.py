@@ -323,6 +323,9 @@ class GeminiOptimizer(OptimizerWrapper):
         stats = self._grad_stats()
         norm = self._unscaled_norm(stats)
         self._last_norm = norm
+        # The gradients carry the scale the loss was multiplied by: read it before the scaler
+        # grows it (growth_interval reached) or backs it off.
+        scaled_by = self.loss_scale
         if self.scaler is not None:
             self.scaler.update(stats.overflow)
         if stats.overflow:
@@ -335,7 +338,7 @@ class GeminiOptimizer(OptimizerWrapper):
                 "gradient overflow: step skipped on every rank, loss scale now %g",
                 self.scaler.scale)
             return
-        divisor = self.loss_scale
+        divisor = scaled_by
         if max_norm > 0 and max_norm / (norm + _CLIP_EPS) < 1.0:
             divisor *= (norm + _CLIP_EPS) / max_norm
         self._apply(divisor)

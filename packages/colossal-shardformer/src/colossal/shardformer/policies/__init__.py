@@ -3,7 +3,8 @@
 :class:`Policy` and its descriptions (:class:`ModulePolicyDescription`,
 :class:`SubModuleReplacementDescription`) are the data model; :func:`get_autopolicy` picks a
 hand-written policy (GPT-2, BERT, ViT, OPT, Bloom) or derives one from the model's
-``base_model_tp_plan`` (:class:`TPPlanPolicy`).
+``base_model_tp_plan`` (:class:`TPPlanPolicy`). :func:`lora_policy` wraps a policy so that
+peft's LoRA adapters are split with their tensor-parallel base layers.
 """
 
 from colossal.shardformer.policies.auto_policy import get_autopolicy
@@ -12,6 +13,7 @@ from colossal.shardformer.policies.base_policy import (
     Policy,
     SubModuleReplacementDescription,
 )
+from colossal.shardformer.policies.lora import lora_policy
 from colossal.shardformer.policies.tp_plan import TPPlanPolicy
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "SubModuleReplacementDescription",
     "TPPlanPolicy",
     "get_autopolicy",
+    "lora_policy",
 ]

@@ -15,6 +15,7 @@ from colossal.shardformer.sequence.grad_sync import (
     SequenceParallelGradSync,
     mark_partial_grad,
     partial_grad_group,
+    register_partial_grad_hooks,
 )
 from colossal.shardformer.sequence.layout import (
     LAYOUTS,
@@ -61,6 +62,7 @@ __all__ = [
     "install_stack_hooks",
     "mark_partial_grad",
     "partial_grad_group",
+    "register_partial_grad_hooks",
     "sequence_layout",
     "sequence_parallel_causal_loss",
     "sharded_head_mode",

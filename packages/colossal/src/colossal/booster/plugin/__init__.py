@@ -18,11 +18,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "TorchDDPPlugin": "colossal.booster.plugin.torch_ddp",
-    "LowLevelZeroPlugin": "colossal.booster.plugin.low_level_zero",
-    "TorchFSDPPlugin": "colossal.booster.plugin.torch_fsdp",
-    "GeminiPlugin": "colossal.booster.plugin.gemini",
-    "HybridParallelPlugin": "colossal.booster.plugin.hybrid_parallel",
+    "TorchDDPPlugin": "colossal.booster.plugin.ddp.plugin",
+    "LowLevelZeroPlugin": "colossal.booster.plugin.zero.plugin",
+    "TorchFSDPPlugin": "colossal.booster.plugin.fsdp.plugin",
+    "GeminiPlugin": "colossal.booster.plugin.gemini.plugin",
+    "HybridParallelPlugin": "colossal.booster.plugin.hybrid.plugin",
 }
 
 

@@ -6,7 +6,7 @@ import abc
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 from torch import nn
@@ -30,34 +30,54 @@ logger = logging.getLogger(__name__)
 class Plugin(abc.ABC):
     """Decides how a model, optimizer and dataloader are wrapped for parallel training.
 
-    A plugin states what it supports (precisions, devices, ``no_sync``), wraps the training
-    objects in :meth:`configure`, and gives the checkpoint IO that reads and writes them in
-    Colossal's single checkpoint format.
+    A plugin states what it supports (precisions, devices, ``no_sync``, LoRA, pipelines) in
+    class attributes (the ``support_*`` / ``control_*`` methods read them; a plugin whose
+    answer depends on its settings overrides the method), wraps the training objects in
+    :meth:`configure`, and gives the checkpoint IO that reads and writes them in Colossal's
+    single checkpoint format.
     """
 
-    @abc.abstractmethod
+    SUPPORTED_DEVICES: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    """Device types the plugin runs on."""
+    SUPPORTED_PRECISIONS: ClassVar[tuple[str, ...]] = ("fp32",)
+    """Precisions the plugin (or the booster, for it) can train in."""
+    CONTROLS_PRECISION: ClassVar[bool] = False
+    """Whether the plugin handles mixed precision itself (then the booster must not)."""
+    CONTROLS_DEVICE: ClassVar[bool] = True
+    """Whether the plugin moves the model to its device."""
+    CONTROLS_CHECKPOINT_IO: ClassVar[bool] = True
+    """Whether the plugin provides its own checkpoint IO."""
+    SUPPORTS_NO_SYNC: ClassVar[bool] = False
+    """Whether :meth:`no_sync` works (a plugin whose answer depends on its settings
+    overrides :meth:`support_no_sync`)."""
+    SUPPORTS_LORA: ClassVar[bool] = False
+    """Whether :meth:`enable_lora` works (see :meth:`support_lora`)."""
+    SUPPORTS_PIPELINE: ClassVar[bool] = False
+    """Whether :meth:`execute_pipeline` is available (see :meth:`support_pipeline`)."""
+
     def supported_devices(self) -> list[str]:
         """Device types the plugin runs on (``"cpu"``, ``"cuda"``)."""
+        return list(self.SUPPORTED_DEVICES)
 
-    @abc.abstractmethod
     def supported_precisions(self) -> list[str]:
         """Precisions the plugin (or the booster, for it) can train in."""
+        return list(self.SUPPORTED_PRECISIONS)
 
-    @abc.abstractmethod
     def control_precision(self) -> bool:
         """Whether the plugin handles mixed precision itself (then the booster must not)."""
+        return self.CONTROLS_PRECISION
 
     def control_device(self) -> bool:
         """Whether the plugin moves the model to its device."""
-        return True
+        return self.CONTROLS_DEVICE
 
-    @abc.abstractmethod
     def support_no_sync(self) -> bool:
         """Whether :meth:`no_sync` (gradient accumulation without communication) works."""
+        return self.SUPPORTS_NO_SYNC
 
     def support_lora(self) -> bool:
         """Whether :meth:`enable_lora` (peft LoRA adapters) works with this plugin."""
-        return False
+        return self.SUPPORTS_LORA
 
     def enable_lora(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         """Add peft LoRA adapters to ``model`` before boost.
@@ -67,24 +87,33 @@ class Plugin(abc.ABC):
         :func:`colossal.booster.plugin.lora.enable_lora` once :meth:`support_lora` allows it.
 
         Raises:
-            NotImplementedError: The plugin does not support LoRA.
+            NotImplementedError: The plugin (with these settings) does not support LoRA.
         """
         if not self.support_lora():
             raise NotImplementedError(
-                f"{type(self).__name__} does not support LoRA; use TorchDDPPlugin, "
-                "LowLevelZeroPlugin or TorchFSDPPlugin"
+                f"{type(self).__name__} does not support LoRA with these settings; use "
+                "TorchDDPPlugin, LowLevelZeroPlugin, TorchFSDPPlugin, GeminiPlugin (tp_size=1) "
+                "or HybridParallelPlugin (sequence parallelism only with tp_size=1)"
             )
         from colossal.booster.plugin.lora import enable_lora
 
         return enable_lora(model, *args, **kwargs)
 
+    def lora_reader(self, model: nn.Module) -> CheckpointIO | None:
+        """The checkpoint IO that reads a boosted model's adapter tensors whole.
+
+        None (the default): they are read from the model as they are (DTensor shards are
+        gathered). A plugin whose parameters live elsewhere (Gemini's chunks) returns its IO.
+        """
+        return None
+
     def control_checkpoint_io(self) -> bool:
         """Whether the plugin provides its own checkpoint IO."""
-        return True
+        return self.CONTROLS_CHECKPOINT_IO
 
     def support_pipeline(self) -> bool:
         """Whether :meth:`execute_pipeline` is available."""
-        return False
+        return self.SUPPORTS_PIPELINE
 
     @abc.abstractmethod
     def configure(

@@ -134,21 +134,9 @@ def _adapter_state(
     return {name: full(state[name]) for name in names}
 
 
-def _gemini_io(model: nn.Module, group: Any) -> Any:
-    """Checkpoint IO reading a Gemini model's chunks (None for other models).
-
-    Gemini keeps parameters in chunks and frees released ones (their ``.data`` is empty), so
-    the adapter is read through the chunks' sharded views.
-    """
-    if getattr(model, "chunk_manager", None) is None:
-        return None
-    from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
-
-    return GeminiCheckpointIO(group)
-
-
 def save_lora_as_pretrained(
-    model: nn.Module, checkpoint: str, use_safetensors: bool = False, group: Any = None
+    model: nn.Module, checkpoint: str, use_safetensors: bool = False, group: Any = None,
+    reader: Any = None,
 ) -> None:
     """Save the LoRA adapter of a boosted model as a peft directory (collective).
 
@@ -157,6 +145,8 @@ def save_lora_as_pretrained(
         checkpoint: The directory (created if needed; other files in it are kept).
         use_safetensors: Write ``adapter_model.safetensors`` instead of ``adapter_model.bin``.
         group: The ranks that save together; its first rank writes.
+        reader: The plugin's checkpoint IO when the model's tensors must be read through it
+            (``Plugin.lora_reader``: Gemini's chunks); None reads them from the model.
 
     Raises:
         ValueError: The model has no LoRA adapter.
@@ -169,13 +159,13 @@ def save_lora_as_pretrained(
             f"save_lora_as_pretrained: {type(model).__name__} has no LoRA adapter; call "
             "booster.enable_lora(model, lora_config=...) before boost"
         )
-    io = _gemini_io(model, group)
     if source is not None:
         state = source.adapter_state()
-    elif io is None:
+    elif reader is None:
         state = _adapter_state(peft_model)
     else:
-        state = _adapter_state(peft_model, io.model_state(model), lambda v: _full(io.to_full(v)))
+        state = _adapter_state(peft_model, reader.model_state(model),
+                               lambda v: _full(reader.to_full(v)))
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     if not distributed or dist.get_rank(group) == 0:
         peft_model.save_pretrained(checkpoint, safe_serialization=use_safetensors, state_dict=state)

@@ -29,6 +29,7 @@ first).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,32 +40,29 @@ from torch import nn
 from torch.optim import Optimizer
 
 from colossal.booster.plugin.base import DPPluginBase, materialize_model
-from colossal.booster.plugin.hybrid_checkpoint_io import HybridCheckpointIO
-from colossal.booster.plugin.hybrid_config import HybridConfig
-from colossal.booster.plugin.hybrid_lora import (
+from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
+from colossal.booster.plugin.hybrid.config import HybridConfig, ShardOptions, unused_arguments
+from colossal.booster.plugin.hybrid.lora import (
     HybridLoraSource,
     peft_parts,
     prefixed_aliases,
     release_unheld,
 )
-from colossal.booster.plugin.hybrid_lora_tp import lora_policy
-from colossal.booster.plugin.hybrid_model import (
-    HybridParallelModel,
-    cast_floats,
-    first_names,
-    mark_tied,
-    shard_and_repoint,
-)
+from colossal.booster.plugin.hybrid.model import HybridParallelModel, cast_floats, mark_tied
+from colossal.booster.plugin.sharding import first_names, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
     OptimizerWrapper,
     ParallelDims,
     ScalerConfig,
     get_accelerator,
+    is_accumulating,
     parse_precision,
+    warn_once,
 )
 from colossal.core.comm import group_ranks
-from colossal.zero import LowLevelZeroOptimizer
+from colossal.shardformer.policies import lora_policy
+from colossal.zero import LowLevelZeroOptimizer, ZeroConfig
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +84,16 @@ class HybridParallelPlugin(DPPluginBase):
         precision: ``"fp16"`` (dynamic loss scaling), ``"bf16"`` or ``"fp32"``; fp16/bf16 keep
             fp32 master weights.
         zero_stage: 0, 1 or 2. Stage 2 shards gradients too and cannot run with a pipeline.
-            Stage 0 reduces gradients through ZeRO-1's buckets as well (the same updates;
-            optimizer states sharded over dp): torch DDP can serve neither the pipeline's
-            local microbatch accumulation nor a norm over tp x pp.
+            Unlike ColossalAI, stage 0 is not torch DDP: it runs ZeRO-1's buckets as well
+            (the same updates as plain data parallelism, with optimizer states sharded over
+            dp, so less memory), because torch DDP can serve neither the pipeline's local
+            microbatch accumulation nor one gradient norm over tp x pp. Its checkpoints are
+            the one format, so they load under any plugin.
         enable_all_optimization: Fused normalization and flash attention (Shardformer).
         enable_fused_normalization: colossal-kernels' fused LayerNorm/RMSNorm.
         enable_flash_attention: colossal-kernels' attention dispatch.
-        enable_jit_fused: Accepted for compatibility (a no-op in Shardformer).
+        enable_jit_fused: Accepted for compatibility; no effect (Shardformer has no JIT-fused
+            kernels), True warns once.
         enable_sequence_parallelism: Split the sequence (see ``sequence_parallelism_mode``).
         sequence_parallelism_mode: ``"split_gather"`` (default), ``"ring"`` (inside the
             tensor-parallel group), ``"all_to_all"`` or ``"ring_attn"`` (over ``sp_size``).
@@ -108,12 +109,18 @@ class HybridParallelPlugin(DPPluginBase):
         hysteresis: fp16 loss scaler: overflows tolerated before a backoff.
         max_scale: fp16 loss scaler: largest scale.
         max_norm: Clip gradients to this global norm (0: no clipping).
-        broadcast_buffers: DDP setting (validated; see ``zero_stage``).
-        ddp_bucket_cap_mb: DDP setting (validated; see ``zero_stage``).
-        find_unused_parameters: DDP setting (validated; see ``zero_stage``).
-        check_reduction: DDP setting (validated; see ``zero_stage``).
-        gradient_as_bucket_view: DDP setting (validated; see ``zero_stage``).
-        static_graph: DDP setting (validated; see ``zero_stage``).
+        broadcast_buffers: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
+        ddp_bucket_cap_mb: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
+        find_unused_parameters: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
+        check_reduction: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
+        gradient_as_bucket_view: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
+        static_graph: ColossalAI's torch DDP setting; no effect (see ``zero_stage``), a
+            value other than the default warns once.
         zero_bucket_size_in_m: Gradient bucket size in millions of elements.
         cpu_offload: Keep masters and optimizer states on the CPU.
         communication_dtype: dtype gradients are reduced in (the parameters' by default).
@@ -132,6 +139,9 @@ class HybridParallelPlugin(DPPluginBase):
         ValueError: A size or combination that cannot work, naming the values.
         RuntimeError: torch.distributed is not initialized.
     """
+
+    SUPPORTED_PRECISIONS = ("fp16", "bf16", "fp32")
+    CONTROLS_PRECISION = True
 
     def __init__(
         self,
@@ -217,34 +227,42 @@ class HybridParallelPlugin(DPPluginBase):
         self.zero_group = dims.group(("dp", "sp")) if cfg.sp_group_of_its_own else self.dp_group
         self.stage_manager = self._stage_manager(dims) if pp_size > 1 else None
         self.custom_policy = custom_policy
-        self.shard_options = {
-            "enable_all_optimization": enable_all_optimization,
-            "enable_fused_normalization": enable_fused_normalization,
-            "enable_flash_attention": enable_flash_attention,
-            "enable_jit_fused": enable_jit_fused,
-            "enable_sequence_overlap": enable_sequence_overlap,
-            "parallel_output": parallel_output,
-            "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-            "gradient_checkpoint_config": gradient_checkpoint_config,
-        }
+        self.shard_options = ShardOptions(
+            enable_all_optimization=enable_all_optimization,
+            enable_fused_normalization=enable_fused_normalization,
+            enable_flash_attention=enable_flash_attention,
+            enable_jit_fused=enable_jit_fused,
+            enable_sequence_overlap=enable_sequence_overlap,
+            parallel_output=parallel_output,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            gradient_checkpoint_config=gradient_checkpoint_config,
+        )
         self.enable_metadata_cache = enable_metadata_cache
-        self.zero_kwargs = {
-            "partition_grad": zero_stage == 2,
-            "dp_process_group": self.zero_group,
-            "tp_process_group": self.tp_group if tp_size > 1 else None,
-            "pp_process_group": self.pp_group if pp_size > 1 else None,
-            "scaler_config": ScalerConfig(
-                initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-                backoff_factor=backoff_factor, growth_interval=growth_interval,
-                hysteresis=hysteresis, max_scale=max_scale,
-            ),
-            "clip_grad_norm": float(max_norm),
-            "reduce_bucket_size": int(zero_bucket_size_in_m * 1024**2),
-            "communication_dtype": communication_dtype,
-            "overlap_communication": overlap_communication,
-            "cpu_offload": cpu_offload,
-            "verbose": verbose,
-        }
+        self.zero_config = ZeroConfig(
+            partition_grad=zero_stage == 2,
+            clip_grad_norm=float(max_norm),
+            reduce_bucket_size=int(zero_bucket_size_in_m * 1024**2),
+            communication_dtype=communication_dtype,
+            overlap_communication=overlap_communication,
+            cpu_offload=cpu_offload,
+        )
+        self.scaler_config = ScalerConfig(
+            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis, max_scale=max_scale,
+        )
+        self.verbose = verbose
+        unused = unused_arguments(
+            {"broadcast_buffers": broadcast_buffers, "ddp_bucket_cap_mb": ddp_bucket_cap_mb,
+             "find_unused_parameters": find_unused_parameters,
+             "check_reduction": check_reduction,
+             "gradient_as_bucket_view": gradient_as_bucket_view, "static_graph": static_graph},
+            enable_jit_fused,
+        )
+        if unused:
+            warn_once(logger, f"HybridParallelPlugin: {', '.join(unused)} has no effect here: "
+                      "gradients are reduced in ZeRO's buckets (not torch DDP) and Shardformer "
+                      "has no JIT-fused kernels; leave them at their defaults")
         self.schedule: Any = None
         replica = dims.coordinate(("dp", "sp") if cfg.sp_group_of_its_own else "dp") == 0
         self._checkpoint_io = HybridCheckpointIO(replica, (tp_size, pp_size),
@@ -309,17 +327,6 @@ class HybridParallelPlugin(DPPluginBase):
         return OneForwardOneBackwardSchedule(self.stage_manager, **kwargs)
 
     # ---- plugin interface --------------------------------------------------------------------
-    def supported_devices(self) -> list[str]:
-        """CPU and CUDA."""
-        return ["cpu", "cuda"]
-
-    def supported_precisions(self) -> list[str]:
-        """fp16, bf16 and fp32."""
-        return ["fp16", "bf16", "fp32"]
-
-    def control_precision(self) -> bool:
-        """True: the plugin casts the model itself."""
-        return True
 
     def support_no_sync(self) -> bool:
         """ZeRO stage 0 and 1 (stage 2 keeps no local gradients)."""
@@ -333,7 +340,7 @@ class HybridParallelPlugin(DPPluginBase):
         """True; frozen base weights get no optimizer state.
 
         Any tensor, pipeline and ZeRO layout; sequence parallelism only with ``tp_size == 1``
-        (see :mod:`.hybrid_lora` and :mod:`.hybrid_lora_tp`).
+        (see :mod:`.lora` and :mod:`colossal.shardformer.policies.lora`).
         """
         return not self._lora_refusal()
 
@@ -382,7 +389,7 @@ class HybridParallelPlugin(DPPluginBase):
             enable_tensor_parallelism=self.tp_size > 1,
             enable_sequence_parallelism=cfg.enable_sequence_parallelism,
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
-            **self.shard_options,
+            **self.shard_options.shard_config_kwargs(),
         )
         inner, peft_model, prefix = peft_parts(model)
         policy = self.custom_policy
@@ -397,7 +404,13 @@ class HybridParallelPlugin(DPPluginBase):
         self._sum_partial_grads(module)
         if optimizer is not None:
             names = first_names(optimizer, module)
-            optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
+            optimizer = LowLevelZeroOptimizer(
+                optimizer, **dataclasses.asdict(self.zero_config),
+                dp_process_group=self.zero_group,
+                tp_process_group=self.tp_group if self.tp_size > 1 else None,
+                pp_process_group=self.pp_group if self.pp_size > 1 else None,
+                scaler_config=self.scaler_config, verbose=self.verbose,
+            )
             optimizer.set_param_names(names)
             self._checkpoint_io.optimizers.append(optimizer)
         wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
@@ -414,7 +427,7 @@ class HybridParallelPlugin(DPPluginBase):
         """The policy splitting LoRA adapters with their base layers (``tp_size > 1``)."""
         if self.tp_size == 1:
             return policy
-        from colossal.shardformer.policies.auto_policy import get_autopolicy
+        from colossal.shardformer.policies import get_autopolicy
 
         return lora_policy(get_autopolicy(inner) if policy is None else policy, self.tp_group)
 
@@ -431,7 +444,7 @@ class HybridParallelPlugin(DPPluginBase):
         Summed over the tensor-parallel group (``split_gather``); scaled by ``sp`` where
         ZeRO averages over ``dp x sp`` (the average of the scaled parts is their sum).
         """
-        from colossal.shardformer.sequence.grad_sync import register_partial_grad_hooks
+        from colossal.shardformer.sequence import register_partial_grad_hooks
 
         zero_ranks = set(group_ranks(self.zero_group))
         register_partial_grad_hooks(module, averaged=lambda ranks: set(ranks) <= zero_ranks)
@@ -465,7 +478,7 @@ class HybridParallelPlugin(DPPluginBase):
         dtype = self.precision_dtype
         batches = (cast_floats(batch, dtype) for batch in data_iter)
         # Under no_sync, tied weights are summed over the stages in the call that reduces.
-        accumulating = bool(getattr(optimizer, "accumulating", False))
+        accumulating = is_accumulating(optimizer)
         return self.schedule.forward_backward_step(
             model.unwrap(), batches, criterion, optimizer=optimizer,
             return_loss=return_loss, return_outputs=return_outputs,
@@ -473,7 +486,7 @@ class HybridParallelPlugin(DPPluginBase):
         )
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        """The one checkpoint format for every layout (see :mod:`.hybrid_checkpoint_io`)."""
+        """The one checkpoint format for every layout (see :mod:`.checkpoint_io`)."""
         return self._checkpoint_io
 
     def no_sync(

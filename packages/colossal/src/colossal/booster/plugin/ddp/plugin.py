@@ -80,6 +80,10 @@ class TorchDDPPlugin(DPPluginBase):
         >>> booster = Booster(plugin=plugin, mixed_precision="bf16")
     """
 
+    SUPPORTED_PRECISIONS = ("fp32", "fp16", "bf16")
+    SUPPORTS_NO_SYNC = True
+    SUPPORTS_LORA = True
+
     def __init__(
         self,
         broadcast_buffers: bool = True,
@@ -99,26 +103,6 @@ class TorchDDPPlugin(DPPluginBase):
             gradient_as_bucket_view,
             static_graph,
         )
-
-    def supported_devices(self) -> list[str]:
-        """CPU and CUDA."""
-        return ["cpu", "cuda"]
-
-    def supported_precisions(self) -> list[str]:
-        """fp32, and fp16/bf16 through the Booster's mixed precision."""
-        return ["fp32", "fp16", "bf16"]
-
-    def control_precision(self) -> bool:
-        """False: the Booster applies mixed precision."""
-        return False
-
-    def support_no_sync(self) -> bool:
-        """True."""
-        return True
-
-    def support_lora(self) -> bool:
-        """True: ``Booster.enable_lora`` (peft); frozen base weights get no gradient."""
-        return True
 
     def configure(
         self,

@@ -8,7 +8,7 @@ one, so the saver plans the same files everywhere and gathers each tensor only t
 writing it. A tied weight held by two stages is saved once, under its first name, as every
 other plugin saves it. Loading reads into each held tensor only its part, under whichever of
 its names the checkpoint uses. Optimizer states go the same way
-(:mod:`.hybrid_optimizer_state`): ZeRO's states, placed along pp, tp and dp, gathered axis
+(:mod:`.optimizer_state`): ZeRO's states, placed along pp, tp and dp, gathered axis
 by axis to their writer.
 """
 
@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colossal.booster.plugin.hybrid_optimizer_state import (
+from colossal.booster.plugin.hybrid.optimizer_state import (
     empty_part,
     merge_meta,
     read_held_state,
     select_groups,
     stage_state,
 )
-from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
+from colossal.booster.plugin.zero.checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointError, TensorReader, read_index
 from colossal.checkpoint_io.commit import resolve_directory
 from colossal.checkpoint_io.names import param_names
@@ -153,7 +153,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
         use_async: bool = False,
         background_snapshot: bool = False,
     ) -> None:
-        """Save the optimizer in the one format (collective; see :mod:`.hybrid_optimizer_state`).
+        """Save the optimizer in the one format (collective; see :mod:`.optimizer_state`).
 
         Raises:
             NotImplementedError: ``use_async`` under tensor or pipeline parallelism.

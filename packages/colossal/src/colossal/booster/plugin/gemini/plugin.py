@@ -44,13 +44,13 @@ from colossal.booster.plugin.base import (
     materialize_model,
     warn_if_slow_precision,
 )
-from colossal.booster.plugin.gemini_checkpoint_io import GeminiCheckpointIO
-from colossal.booster.plugin.gemini_config import (
+from colossal.booster.plugin.gemini.checkpoint_io import GeminiCheckpointIO
+from colossal.booster.plugin.gemini.config import (
     GeminiConfig,
     ShardformerOptions,
     normalize_chunk_config,
 )
-from colossal.booster.plugin.hybrid_model import shard_and_repoint
+from colossal.booster.plugin.sharding import shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
     OptimizerWrapper,
@@ -147,6 +147,9 @@ class GeminiPlugin(DPPluginBase):
         >>> optimizer = HybridAdam(model.parameters(), lr=1e-3)  # before boost
         >>> model, optimizer, *_ = booster.boost(model, optimizer)
     """
+
+    SUPPORTED_PRECISIONS = ("fp16", "bf16", "fp32")
+    CONTROLS_PRECISION = True
 
     def __init__(
         self,
@@ -295,18 +298,6 @@ class GeminiPlugin(DPPluginBase):
                 current, device,
             )
 
-    def supported_devices(self) -> list[str]:
-        """CPU (gloo) and CUDA."""
-        return ["cpu", "cuda"]
-
-    def supported_precisions(self) -> list[str]:
-        """fp16, bf16 and fp32."""
-        return ["fp16", "bf16", "fp32"]
-
-    def control_precision(self) -> bool:
-        """True: the chunks hold the training precision."""
-        return True
-
     def support_no_sync(self) -> bool:
         """With ``enable_gradient_accumulation`` only."""
         return self.config.enable_gradient_accumulation
@@ -383,7 +374,7 @@ class GeminiPlugin(DPPluginBase):
     def _shard(self, model: nn.Module, optimizer: Optimizer | None) -> nn.Module:
         """Shardformer over the tensor-parallel group; the optimizer follows by name."""
         from colossal.shardformer import ShardConfig
-        from colossal.shardformer.sequence.grad_sync import register_partial_grad_hooks
+        from colossal.shardformer.sequence import register_partial_grad_hooks
 
         shard_config = ShardConfig(tensor_parallel_process_group=self.tp_group,
                                    **self.shard_options.shard_config_kwargs())
@@ -392,6 +383,10 @@ class GeminiPlugin(DPPluginBase):
         # autograd produces them (Gemini averages over dp only, so nothing is scaled).
         register_partial_grad_hooks(module)
         return module
+
+    def lora_reader(self, model: nn.Module) -> CheckpointIO | None:
+        """Gemini's checkpoint IO: released parameters are read through the chunks."""
+        return self._checkpoint_io
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """:class:`GeminiCheckpointIO` (chunk by chunk, the one checkpoint format)."""

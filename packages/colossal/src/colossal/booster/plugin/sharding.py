@@ -1,10 +1,12 @@
-"""The model side of the hybrid-parallel plugin: the wrapper, input casting, parameter names.
+"""Running Shardformer from a plugin: shard the model, point the optimizer at its parts.
 
-After Shardformer, a rank holds its stage's chunks (shallow copies of the model holding only
-their layers, under the model's own names) with tensor-parallel layers in place of the
-originals. The user's optimizer was built on the whole, unsharded model; it is pointed at
-the parameters this rank holds by name, where a tied weight answers to every one of its
-names (the last stage holds ``lm_head.weight``, which the optimizer knew as the embedding).
+Shared by the plugins that shard with colossal-shardformer (hybrid, Gemini with tensor
+parallelism). After Shardformer, a rank holds its stage's chunks (shallow copies of the
+model holding only their layers, under the model's own names) with tensor-parallel layers
+in place of the originals. The user's optimizer was built on the whole, unsharded model; it
+is pointed at the parameters this rank holds by name, where a tied weight answers to every
+one of its names (the last stage holds ``lm_head.weight``, which the optimizer knew as the
+embedding).
 """
 
 from __future__ import annotations
@@ -12,41 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from colossal.core import (
-    ModelWrapper,
-    Placement,
-    Replicate,
-    mark_sharded,
-    shard_spec,
-    whole_shape,
-)
-
 __all__ = [
-    "HybridParallelModel",
-    "cast_floats",
     "first_names",
     "held_parameters",
     "named_held",
-    "mark_tied",
     "repoint_by_alias",
     "shard_and_repoint",
 ]
-
-
-def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with floating-point tensors (also in dicts, lists, tuples) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(cast_floats(v, dtype) for v in value)
-    return value
 
 
 def _chunks(module: nn.Module) -> list[nn.Module]:
@@ -115,54 +92,9 @@ def shard_and_repoint(
     return module, shared, list(by_param.values())
 
 
-def mark_tied(pairs: Sequence[tuple[torch.Tensor, ProcessGroup]]) -> None:
-    """Record each weight tied across pipeline stages as replicated over its stages.
-
-    The gradient norm then counts it on its first stage only (its copies hold the same
-    gradient after the schedule sums them); its other placements (a tensor-parallel block)
-    are kept.
-    """
-    for param, group in pairs:
-        spec = shard_spec(param)
-        own = tuple(p for p in spec.placements if p.axis != "pp") if spec is not None else ()
-        mark_sharded(param, (Placement("pp", Replicate(), group), *own), whole_shape(param))
-
-
 def first_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
     """Per param group, the first name under which ``module`` holds each parameter."""
     names: dict[int, str] = {}
     for name, p in named_held(module):
         names.setdefault(id(p), name)
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-
-class HybridParallelModel(ModelWrapper):
-    """This rank's sharded model (or its pipeline chunks as an ``nn.ModuleList``).
-
-    Calling it runs the whole forward when there is no pipeline; floating-point inputs are
-    cast to the model's dtype. Under a pipeline, run batches with
-    ``booster.execute_pipeline``.
-
-    Args:
-        module: The sharded model, or this stage's chunks.
-        dtype: The training precision.
-        pipelined: Whether ``module`` is a pipeline stage.
-    """
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype, pipelined: bool) -> None:
-        super().__init__(module)
-        self.dtype = dtype
-        self.pipelined = pipelined
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward, inputs cast (no pipeline only).
-
-        Raises:
-            RuntimeError: The model is a pipeline stage.
-        """
-        if self.pipelined:
-            raise RuntimeError(
-                "this model is a pipeline stage; run batches with booster.execute_pipeline("
-                "data_iter, model, criterion, optimizer)"
-            )
-        return self.module(*cast_floats(args, self.dtype), **cast_floats(kwargs, self.dtype))

@@ -34,8 +34,8 @@ from colossal.booster.plugin.base import (
     has_lazy_tensors,
     repoint_optimizer,
 )
-from colossal.booster.plugin.fsdp_checkpoint_io import FSDPCheckpointIO
-from colossal.booster.plugin.fsdp_compat import FSDP1Arguments
+from colossal.booster.plugin.fsdp.checkpoint_io import FSDPCheckpointIO
+from colossal.booster.plugin.fsdp.compat import FSDP1Arguments
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.sharded import as_sharded
 from colossal.checkpoint_io.template import unwrap_model
@@ -166,6 +166,11 @@ class TorchFSDPPlugin(DPPluginBase):
             (the message names the replacement).
     """
 
+    SUPPORTED_PRECISIONS = ("fp32", "bf16")
+    CONTROLS_PRECISION = True
+    SUPPORTS_NO_SYNC = True
+    SUPPORTS_LORA = True
+
     def __init__(
         self,
         precision: str = "fp32",
@@ -214,26 +219,6 @@ class TorchFSDPPlugin(DPPluginBase):
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.offload_policy = offload_policy or OffloadPolicy()
         self._checkpoint_io = FSDPCheckpointIO(self.dp_group)
-
-    def supported_devices(self) -> list[str]:
-        """CPU (gloo) and CUDA."""
-        return ["cpu", "cuda"]
-
-    def supported_precisions(self) -> list[str]:
-        """fp32 and bf16."""
-        return ["fp32", "bf16"]
-
-    def control_precision(self) -> bool:
-        """True: FSDP2's mixed-precision policy."""
-        return True
-
-    def support_no_sync(self) -> bool:
-        """True (``set_requires_gradient_sync``)."""
-        return True
-
-    def support_lora(self) -> bool:
-        """True: ``Booster.enable_lora`` (peft); adapters are gathered to save them."""
-        return True
 
     def _mesh(self) -> DeviceMesh:
         """The DeviceMesh of ``self.parallel_dims``' groups (HYBRID_SHARD's dims first).

@@ -16,9 +16,9 @@ wraps them back afterwards, splitting the adapters:
 ``lora_dropout`` becomes Shardformer's seeded dropout: one mask over the tp ranks for a
 replicated input (else the replicated ``lora_A`` drifts apart), one per rank for a split one.
 
-Replicated adapters have no shard spec: the global gradient norm counts them on tp rank 0
-only (``replicated_over_tp``). Other parallel base layers (fused GPT-2 ``Conv1D``,
-vocabulary-parallel heads) are refused.
+Replicated adapters carry no placement record: an optimizer told the tensor-parallel group
+counts them once in the global gradient norm (replicated over tp). Other parallel base
+layers (fused GPT-2 ``Conv1D``, vocabulary-parallel heads) are refused.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ that gathers the full adapter (every stage's, under peft's names) for
 module tree (peft reads it to choose what to save) with the other stages' weights emptied.
 
 Under tensor parallelism the adapters are split with their base layers
-(:mod:`.hybrid_lora_tp`).
+(:mod:`colossal.shardformer.policies.lora`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Validated settings of :class:`~colossal.booster.plugin.hybrid_parallel.HybridParallelPlugin`.
+"""Validated settings of :class:`~colossal.booster.plugin.hybrid.HybridParallelPlugin`.
 
 :class:`HybridConfig` checks every size and combination when the plugin is built, so a bad
 layout fails before any model is touched, with the values and the fix in the message. What
@@ -14,7 +14,7 @@ from typing import Any
 
 from colossal.core import parse_precision
 
-__all__ = ["PP_STYLES", "SP_MODES", "HybridConfig"]
+__all__ = ["PP_STYLES", "SP_MODES", "HybridConfig", "ShardOptions", "unused_arguments"]
 
 PP_STYLES = ("1f1b", "interleaved", "zbv")
 """Pipeline schedules: 1F1B, interleaved 1F1B (several chunks per stage), zero-bubble V."""
@@ -182,3 +182,52 @@ class HybridConfig:
         return self.enable_sequence_parallelism and self.sequence_parallelism_mode not in (
             _TP_GROUP_MODES
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOptions:
+    """Shardformer's optimizations and model settings of a hybrid-parallel job.
+
+    Attributes mirror the plugin's arguments of the same names; :meth:`shard_config_kwargs`
+    gives them to ``ShardConfig``.
+    """
+
+    enable_all_optimization: bool = False
+    enable_fused_normalization: bool = False
+    enable_flash_attention: bool = False
+    enable_jit_fused: bool = False
+    enable_sequence_overlap: bool = False
+    parallel_output: bool = True
+    make_vocab_size_divisible_by: int = 64
+    gradient_checkpoint_config: Any = None
+
+    def __post_init__(self) -> None:
+        _size("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+
+    def shard_config_kwargs(self) -> dict[str, Any]:
+        """The ``ShardConfig`` keyword arguments they stand for."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_DDP_DEFAULTS = {
+    "broadcast_buffers": True,
+    "ddp_bucket_cap_mb": 25,
+    "find_unused_parameters": False,
+    "check_reduction": False,
+    "gradient_as_bucket_view": False,
+    "static_graph": False,
+}
+"""ColossalAI's torch-DDP arguments of the plugin, with their defaults."""
+
+
+def unused_arguments(ddp: dict[str, Any], enable_jit_fused: bool) -> list[str]:
+    """The arguments set to something that has no effect here (for a one-time warning).
+
+    The gradients of every layout are reduced in ZeRO's buckets (see the plugin's
+    ``zero_stage``), so torch DDP's six settings do nothing; Shardformer has no JIT-fused
+    kernels to enable.
+    """
+    changed = [f"{k}={v!r}" for k, v in ddp.items() if v != _DDP_DEFAULTS[k]]
+    if enable_jit_fused:
+        changed.append("enable_jit_fused=True")
+    return changed

@@ -2,7 +2,7 @@
 
 Wraps ``colossal.zero.LowLevelZeroOptimizer``; the model is cast to the training precision.
 Its checkpoint IO (sharded optimizer saves and loads) is
-:class:`colossal.booster.plugin.zero_checkpoint_io.ZeroCheckpointIO`.
+:class:`colossal.booster.plugin.zero.ZeroCheckpointIO`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from colossal.booster.plugin.base import (
     materialize_model,
     warn_if_slow_precision,
 )
-from colossal.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
+from colossal.booster.plugin.zero.checkpoint_io import ZeroCheckpointIO
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
 from colossal.core import (
@@ -119,6 +119,10 @@ class LowLevelZeroPlugin(DPPluginBase):
             ``self.parallel_dims.group("dp")``.
     """
 
+    SUPPORTED_PRECISIONS = ("fp16", "bf16", "fp32")
+    CONTROLS_PRECISION = True
+    SUPPORTS_LORA = True
+
     def __init__(
         self,
         stage: int = 1,
@@ -181,25 +185,9 @@ class LowLevelZeroPlugin(DPPluginBase):
         """The ZeRO stage."""
         return self.config.stage
 
-    def supported_devices(self) -> list[str]:
-        """CPU and CUDA."""
-        return ["cpu", "cuda"]
-
-    def supported_precisions(self) -> list[str]:
-        """fp16, bf16 and fp32."""
-        return ["fp16", "bf16", "fp32"]
-
-    def control_precision(self) -> bool:
-        """True: the plugin casts the model itself."""
-        return True
-
     def support_no_sync(self) -> bool:
         """Stage 1 only."""
         return self.config.stage == 1
-
-    def support_lora(self) -> bool:
-        """True: ``Booster.enable_lora`` (peft); frozen base weights get no gradient."""
-        return True
 
     def configure(
         self,

@@ -52,8 +52,7 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
     Bytes just written sit in the page cache until ``fsync``; starting their writeback at once
     overlaps the disk with the writes that follow, so the final ``fsync`` waits only for the
-    tail (about 15-20% faster for a checkpoint than write-everything-then-fsync on the CI
-    machines). Durability still comes from ``fsync``. A no-op where ``sync_file_range`` is
+    tail (the measured gain is in the CHANGELOG). Durability still comes from ``fsync``. A no-op where ``sync_file_range`` is
     missing (not Linux) or fails.
     """
     if _sync_file_range is not None and length > 0:

@@ -191,9 +191,9 @@ def _write_part(fd: int, data: torch.Tensor, offset: int) -> list[tuple[int, int
     """Write ``data`` (1-D) at ``offset`` in pieces of at most :data:`PIECE_BYTES`.
 
     Each long piece's writeback starts at once (see :data:`WRITEBACK_MIN_BYTES`) and each
-    piece's CRC-32 is computed here, between the writes (zlib-ng: ~25 GB/s, a few ms per rank
-    and save; a checksum thread cost more in hand-offs than it saved, 10-40 ms per rank and
-    save at world 4 on 2 cores). Returns each piece's byte length and CRC-32, in order.
+    piece's CRC-32 is computed here, between the writes (with zlib-ng a few ms per rank and
+    save; a checksum thread cost more in hand-offs than it saved: see the CHANGELOG).
+    Returns each piece's byte length and CRC-32, in order.
     """
     crcs, step = [], max(1, PIECE_BYTES // max(1, data.element_size()))
     for begin in range(0, data.numel(), step):

@@ -245,8 +245,9 @@ def warn_if_slow_precision(plugin: str, precision: str) -> None:
     """Log a warning when ``precision`` is fp16 and the accelerator is the CPU.
 
     CPUs without native fp16 arithmetic (most: avx512_fp16 / AMX-FP16 are rare) convert
-    every fp16 matmul, which measured 13-24x slower than bf16 on this project's CI machines;
-    ColossalAI's plugins default to fp16 because they target GPUs.
+    every fp16 matmul, which runs many times slower than bf16 (the figure measured on this
+    project's CI machines is in the CHANGELOG); ColossalAI's plugins default to fp16 because
+    they target GPUs.
     """
     if precision == "fp16" and get_accelerator().get_current_device().type == "cpu":
         logger.warning(

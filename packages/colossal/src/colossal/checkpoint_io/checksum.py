@@ -4,8 +4,8 @@
 package (a dependency of ``colossal``) it is several times faster than the standard
 library's zlib 1.2 (figures in the CHANGELOG), whose checksum of a rank's share of a
 checkpoint would otherwise cost as much CPU as the copy into the page cache (both release
-the GIL on large buffers). :func:`crc32_combine` joins the CRCs of consecutive pieces written by different
-ranks without reading them again.
+the GIL on large buffers). :func:`crc32_combine` joins the CRCs of consecutive pieces
+written by different ranks without reading them again.
 """
 
 from __future__ import annotations

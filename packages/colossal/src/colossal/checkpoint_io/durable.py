@@ -52,8 +52,8 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
     Bytes just written sit in the page cache until ``fsync``; starting their writeback at once
     overlaps the disk with the writes that follow, so the final ``fsync`` waits only for the
-    tail (the measured gain is in the CHANGELOG). Durability still comes from ``fsync``. A no-op where ``sync_file_range`` is
-    missing (not Linux) or fails.
+    tail (the measured gain is in the CHANGELOG). Durability still comes from ``fsync``. A
+    no-op where ``sync_file_range`` is missing (not Linux) or fails.
     """
     if _sync_file_range is not None and length > 0:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

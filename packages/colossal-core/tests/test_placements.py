@@ -7,6 +7,7 @@ test. What each case catches is in its docstring.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -97,6 +98,16 @@ def test_grid_axes_and_leaders() -> None:
         leader_of([1, 2], 0)
 
 
+def _gathers_everywhere(shard: Any, rank: int, world_size: int) -> None:
+    """The whole tensor on each named rank only, and on every rank with dst=None."""
+    for dst in range(world_size):
+        got = shard.gather(dst)
+        assert (got is not None) == (rank == dst)
+        if got is not None:
+            assert torch.equal(got, _full()), dst
+    assert torch.equal(shard.gather(None), _full())
+
+
 @distributed_test(4)
 def test_two_level_gather_reaches_every_destination(rank: int, world_size: int) -> None:
     """tp 2 x dp 2, a flat dp range of a padded tp block: the whole tensor on each named rank
@@ -107,13 +118,7 @@ def test_two_level_gather_reaches_every_destination(rank: int, world_size: int) 
     rows, flat = _tp_then_dp(tp, dp)
     placements = (Placement("tp", rows.part, mesh.get_group_along_axis("tp"), (3, 3)),
                   Placement("dp", flat.part, mesh.get_group_along_axis("dp")))
-    shard = LocalShard(_local(tp, dp), placements, SHAPE)
-    for dst in range(world_size):
-        got = shard.gather(dst)
-        assert (got is not None) == (rank == dst)
-        if got is not None:
-            assert torch.equal(got, _full()), dst
-    assert torch.equal(shard.gather(None), _full())
+    _gathers_everywhere(LocalShard(_local(tp, dp), placements, SHAPE), rank, world_size)
 
 
 @distributed_test(4)
@@ -130,12 +135,7 @@ def test_owned_axis_gathers_from_its_stage(rank: int, world_size: int) -> None:
         shard = LocalShard(rows.take(_full()).clone(), (owned, split), SHAPE)
     else:
         shard = Absent(SHAPE, torch.float32, (owned,))
-    for dst in range(world_size):
-        got = shard.gather(dst)
-        assert (got is not None) == (rank == dst)
-        if got is not None:
-            assert torch.equal(got, _full()), dst
-    assert torch.equal(shard.gather(None), _full())
+    _gathers_everywhere(shard, rank, world_size)
 
 
 @distributed_test(8)

@@ -166,12 +166,15 @@ class OptimizerWrapper:
         """Clear gradients."""
         self.optim.zero_grad(*args, **kwargs)
 
-    def get_grad_norm(self, norm_type: float = 2.0) -> float:
+    def get_grad_norm(self, norm_type: float = 2.0) -> float | None:
         """Total norm of all gradients (as if concatenated into one vector).
 
         It is :func:`colossal.core.grad_norm`: with parameters that carry placements
         (tensor parallel, FSDP2's DTensors) the global norm, collective over the job.
+        Wrappers that keep the norm of their last step (ZeRO, Gemini) return None before
+        their first step.
         """
+
         return float(grad_norm(list(self._params()), norm_type))
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:

@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import overload
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -102,10 +103,18 @@ class ProcessGroupMesh:
             raise ValueError(f"mesh axis {axis!r} out of range for a {len(self._shape)}-d mesh")
         return axis % len(self._shape)
 
+    @overload
+    def size(self, axis: None = None) -> tuple[int, ...]: ...
+    @overload
+    def size(self, axis: Axis) -> int: ...
     def size(self, axis: Axis | None = None) -> int | tuple[int, ...]:
         """Extent of ``axis``, or the whole shape when ``None``."""
         return self._shape if axis is None else self._shape[self.axis_index(axis)]
 
+    @overload
+    def coordinate(self, axis: None = None) -> tuple[int, ...]: ...
+    @overload
+    def coordinate(self, axis: Axis) -> int: ...
     def coordinate(self, axis: Axis | None = None) -> int | tuple[int, ...]:
         """This rank's coordinate along ``axis``, or all of them when ``None``."""
         return self._coord if axis is None else self._coord[self.axis_index(axis)]

@@ -125,6 +125,14 @@ def _choose(
     return gloo_default
 
 
+def _done_after(
+    op: Callable[[torch.Tensor, torch.Tensor], None], out: torch.Tensor, inp: torch.Tensor
+) -> _Done:
+    """Run a blocking shared-memory collective; its work is then already complete."""
+    op(out, inp)
+    return _Done()
+
+
 def _required_channel(group: ProcessGroup | None, key: tuple[int, ...]) -> shm.ShmChannel:
     """The group's shared-memory channel (``"shm"`` chosen or asked for explicitly)."""
     found = shm.channel(group, key)
@@ -164,7 +172,9 @@ def _ring_reduce_scatter(
         out = (position - step - 1) % size
         into = (position - step - 2) % size
         sent = dist.isend(flat[out * n : (out + 1) * n], nxt, group=group, tag=_RING_TAG)
-        dist.irecv(scratch, prev, group=group, tag=_RING_TAG).wait()
+        received = dist.irecv(scratch, prev, group=group, tag=_RING_TAG)
+        assert sent is not None and received is not None  # None only for non-members
+        received.wait()
         sent.wait()
         flat[into * n : (into + 1) * n].add_(scratch)
 
@@ -264,7 +274,7 @@ def reduce_scatter(
     if chosen == "shm":
         return _run(
             *record,
-            lambda: _required_channel(group, key).reduce_scatter(flat_out, flat_in) or _Done(),
+            lambda: _done_after(_required_channel(group, key).reduce_scatter, flat_out, flat_in),
             async_op,
         )
 
@@ -341,7 +351,7 @@ def all_gather(
         flat_in, flat_out = input.reshape(-1), output.view(-1)
         return _run(
             *record,
-            lambda: _required_channel(group, key).all_gather(flat_out, flat_in) or _Done(),
+            lambda: _done_after(_required_channel(group, key).all_gather, flat_out, flat_in),
             async_op,
         )
     start = key.index(dist.get_rank()) * n

@@ -239,6 +239,8 @@ def channel(group: ProcessGroup | None, ranks: tuple[int, ...]) -> ShmChannel | 
     order within one group, as gloo matches them, never across groups.
     """
     key = group if group is not None else dist.group.WORLD
+    if key is None:
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     if key not in _channels:
         try:
             _channels[key] = ShmChannel(group, ranks, timeout=_timeout_of(key))

@@ -104,6 +104,7 @@ async def packed_chunks(
     try:
         for turn in itertools.count():
             buffer = buffers[turn % 2]
+            assert pending is not None  # a fill is in flight at the top of every turn
             filled = await pending
             pending = None
             if filled == chunk_bytes:
@@ -120,7 +121,12 @@ async def packed_chunks(
             for buffer in buffers:
                 pool.release(buffer)
         else:  # a fill still runs in the executor: recycle its buffer only once it is done
-            pending.add_done_callback(lambda _: [pool.release(b) for b in buffers])
+
+            def recycle(_: object) -> None:
+                for b in buffers:
+                    pool.release(b)
+
+            pending.add_done_callback(recycle)
 
 
 class _Packer:

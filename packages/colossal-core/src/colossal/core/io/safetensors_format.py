@@ -16,8 +16,10 @@ import struct
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
+
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest header accepted (the safetensors library has the same limit)."""
@@ -245,7 +247,7 @@ def _parse_entry(path: str, name: str, entry: object, data_bytes: int) -> Tensor
     return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
-def _is_int_list(value: object) -> bool:
+def _is_int_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     )

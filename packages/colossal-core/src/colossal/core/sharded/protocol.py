@@ -144,7 +144,7 @@ class Placed:
         else:
             new = (placement, *old)
         clone = copy.copy(self)
-        clone._placements = new  # type: ignore[attr-defined]
+        clone._placements = new
         return clone
 
     def holds(self) -> bool:

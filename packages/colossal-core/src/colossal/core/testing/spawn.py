@@ -90,7 +90,7 @@ def _worker(
         os._exit(1)
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """A fork server with torch preloaded: clean processes without re-importing torch each time."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")

@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"{args.command[0]} exited with code {code}; stopping the {_processes(len(left))} "
              f"it left running (SIGTERM, SIGKILL after {args.grace:g} s)")  # fmt: skip
         stop_tree(args.grace)
+    assert code is not None  # the loop ends with a reason or with the child's exit code
     return code
 
 

@@ -125,7 +125,7 @@ class TorchCommCounter:
                 # strings (from __future__ import annotations).
                 # The default hook's dist.all_reduce is counted by patched(); counting the
                 # bucket here as well would count it twice.
-                def hook(state, bucket):  # type: ignore[no-untyped-def]
+                def hook(state, bucket):
                     return default_hooks.allreduce_hook(state, bucket)
 
                 module.register_comm_hook(group, hook)

@@ -107,7 +107,7 @@ class StageExecutor:
         self.saved: dict[Key, tuple[list[torch.Tensor], Any]] = {}
         self.out_grads: dict[Key, Any] = {}
         self.to_send: dict[Key, list[torch.Tensor]] = {}
-        self.split_grads: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.split_grads: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Any] = {}
         self.timeline: list[TimelineEvent] = []
@@ -138,6 +138,12 @@ class StageExecutor:
             return None
         stage, chunk = self.layout.locate(slice_index)
         return chunk if stage == self.stage else None
+
+    def _peer_rank(self, action: Action) -> int:
+        """Global rank of the stage on the other side of the transfer ``action``."""
+        stage = self.ir.peer(self.stage, action)
+        assert stage is not None, action  # only compute actions have no peer
+        return self.sm.get_rank(stage)
 
     def _backward(
         self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, **kw: Any
@@ -195,6 +201,7 @@ class StageExecutor:
         if v > 0:
             received = self._resolve(Action(ActionType.RECV_FORWARD, *key), self.inputs.pop(key))
         start = time.perf_counter()  # timed from here: input preparation is part of the forward
+        diff: list[torch.Tensor]
         if v == 0:
             args, diff = self.microbatches[mb], []
         else:
@@ -274,7 +281,7 @@ class StageExecutor:
             if a.type in RECVS:
                 continue
             key = (a.microbatch, a.chunk)
-            peer = self.sm.get_rank(self.ir.peer(self.stage, a))
+            peer = self._peer_rank(a)
             tag = self.ir.channel(self.stage, a)
             if a.type == ActionType.SEND_FORWARD:
                 out = self.saved.pop(key)[1] if self.forward_only else self.saved[key][1]
@@ -287,7 +294,7 @@ class StageExecutor:
         while self._next_recv < len(self._recvs) and self._recvs[self._next_recv][0] <= upto:
             a = self._recvs[self._next_recv][1]
             self._next_recv += 1
-            peer = self.sm.get_rank(self.ir.peer(self.stage, a))
+            peer = self._peer_rank(a)
             recvs.append((peer, self.ir.channel(self.stage, a)))
             posted.append(a)
         if posted:

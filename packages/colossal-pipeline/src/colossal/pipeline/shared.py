@@ -35,7 +35,7 @@ class SharedParamGradSync:
         stage_manager: PipelineStageManager,
         shared_params: Sequence[Mapping[int, torch.Tensor | None]],
     ) -> None:
-        self._entries = []
+        self._entries: list[tuple[torch.Tensor, ProcessGroup]] = []
         for i, mapping in enumerate(shared_params):
             if not isinstance(mapping, Mapping):
                 raise TypeError(f"shared_params[{i}] must map stage -> parameter, got {mapping!r}")
@@ -45,6 +45,8 @@ class SharedParamGradSync:
             group = stage_manager.init_process_group_by_stages(stages)
             if stage_manager.stage not in mapping:
                 continue
+            assert group is not None  # this rank's stage is among ``stages``
+
             param = mapping[stage_manager.stage]
             if not isinstance(param, torch.Tensor):
                 raise TypeError(

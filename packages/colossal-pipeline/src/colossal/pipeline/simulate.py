@@ -199,8 +199,9 @@ def simulate(
                     a = acts[pc[s]]
                     if a.type in RECVS and not posted[s]:
                         posted[s] = True  # posting a receive may take time, then it waits
-                        work[s], began[s] = cost(s, a), t
-                        if work[s] > 0:
+                        took = cost(s, a)
+                        work[s], began[s] = took, t
+                        if took > 0:
                             break
                         work[s] = None
                     if a.type in RECVS:
@@ -213,8 +214,9 @@ def simulate(
                         pc[s] += 1
                         moved = True
                         continue
-                    work[s], began[s] = cost(s, a), t
-                    if work[s] <= 0:
+                    took = cost(s, a)
+                    work[s], began[s] = took, t
+                    if took <= 0:
                         finish(s)
                         moved = True
         active = [s for s in range(n) if work[s] is not None]

@@ -35,11 +35,12 @@ from colossal.zero.layout import Bucket
 # dropping its gradient (``zero_grad`` runs between the step and the next forward).
 _NO_VALUE_READS = METADATA_GETTERS | frozenset(
     [
-        torch.Tensor.grad.__set__,
-        torch.Tensor.grad.__delete__,
-        torch.Tensor.shape.__get__,
-        torch.Tensor.ndim.__get__,
-        torch.Tensor.requires_grad.__set__,
+        # torch's stubs type these C getset descriptors as plain attributes, hence the ignores.
+        torch.Tensor.grad.__set__,  # type: ignore[union-attr]
+        torch.Tensor.grad.__delete__,  # type: ignore[union-attr]
+        torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.requires_grad.__set__,  # type: ignore[attr-defined]
         torch.Tensor.requires_grad_,
         torch.Tensor.size,
         torch.Tensor.dim,

@@ -229,6 +229,13 @@ def gather_placed(
     return held
 
 
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a buffer received over ``group`` lives: the current GPU under NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _replica_leader(ranks: Sequence[int], dst: int | None) -> int | None:
     """The replica that goes on: ``dst``'s coordinate, or the first when it has none here.
 
@@ -260,7 +267,8 @@ def _owned(
     if len(ranks) == 1:
         return held, active
     if dst is None:
-        buf = held if me == owner and held is not None else torch.empty(tuple(shape), dtype=dtype)
+        buf = held if me == owner and held is not None else \
+            torch.empty(tuple(shape), dtype=dtype, device=_comm_device(placement.group))
         broadcast(buf.contiguous() if me == owner else buf, src=owner, group=placement.group)
         return buf, True
     if dst not in ranks:
@@ -270,7 +278,7 @@ def _owned(
         send(held.contiguous(), dst=dst, group=placement.group)
         return None, False
     if me == dst and me != owner:
-        buf = torch.empty(tuple(shape), dtype=dtype)
+        buf = torch.empty(tuple(shape), dtype=dtype, device=_comm_device(placement.group))
         recv(buf, src=owner, group=placement.group)
         return buf, True
     return held, active

@@ -81,7 +81,7 @@ class ChunkGatherer:
             )
         world = chunk.world_size
         device = local.device if world == 1 else get_accelerator().get_current_device()
-        ranks = list(group_ranks(chunk.group)) if world > 1 else [dst]
+        ranks = list(group_ranks(chunk.group)) if world > 1 else [] if dst is None else [dst]
         if dst is not None and dst not in ranks:
             raise ValueError(f"dst={dst} is not a rank of chunk {chunk.chunk_id}'s group {ranks}")
         if world > 1 and dst is not None and ranks[chunk.rank] != dst:

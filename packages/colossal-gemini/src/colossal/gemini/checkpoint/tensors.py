@@ -195,7 +195,9 @@ def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str
     return out
 
 
-def _summary(optimizer: Any) -> tuple[dict[str, dict[str, tuple]], dict[tuple[int, str], list]]:
+def _summary(
+    optimizer: Any,
+) -> tuple[dict[str, dict[str, tuple]], dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]]]:
     """This rank's state kinds by parameter name, and its elementwise pieces per chunk."""
     kinds: dict[str, dict[str, tuple]] = {}
     pieces: dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]] = {}

@@ -164,6 +164,7 @@ class Chunk(ChunkBase):
         if not self._keep_gathered:
             self.release()  # before the master is allocated: a lower peak
         if self._has_master:
+            assert self._master_dtype is not None  # a master copy has its own dtype
             self._master = self._alloc.zeros(self._master_loc, self.shard_size,
                                              self._master_dtype, "master")
             for p, original in zip(self._params, self._originals, strict=True):

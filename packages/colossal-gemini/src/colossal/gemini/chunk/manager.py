@@ -173,6 +173,7 @@ class ChunkManager:
                             f"{type(param).__name__} {getattr(param, 'dtype', '')}")
         requires_grad = bool(param.requires_grad)
         numel = param.numel()
+        chunk: Chunk | None
         if numel > self.chunk_size:
             chunk = self._new_chunk(numel, dtype, requires_grad, keep_gathered)
             chunk.append(name, param)
@@ -243,7 +244,8 @@ class ChunkManager:
                 chunk_id=i,
                 payload_bytes=cap * dtype.itemsize,
                 shard_bytes=cap // world * dtype.itemsize,
-                master_bytes=cap // world * self.master_dtype.itemsize if has_master else 0,
+                master_bytes=(cap // world * self.master_dtype.itemsize
+                              if has_master and self.master_dtype is not None else 0),
                 keep_gathered=bool(keep_gathered),
                 requires_grad=rg,
             ))

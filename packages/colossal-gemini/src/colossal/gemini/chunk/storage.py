@@ -35,7 +35,7 @@ def check_location(location: object) -> Location:
     """Return ``location`` if it is ``"device"`` or ``"host"``, else raise ValueError."""
     if location not in LOCATIONS:
         raise ValueError(f"location must be 'device' or 'host', got {location!r}")
-    return location  # type: ignore[return-value]
+    return location
 
 
 def physical_device(location: Location) -> torch.device:

@@ -443,7 +443,7 @@ class GeminiDDP(ModelWrapper):
                 name = found[0]
                 flat = state_dict[name].reshape(-1)
                 for source in ("shard", "master"):
-                    start, stop, view = chunk.tensor_shard(p, source=source)  # type: ignore[arg-type]
+                    start, stop, view = chunk.tensor_shard(p, source=source)
                     view.copy_(flat[start:stop])
             if chunk.is_gathered:
                 if chunk.keep_gathered:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
@@ -56,6 +55,21 @@ def _precision_of(module: Any, manager: Any) -> Precision:
         raise ValueError(f"trainable chunks hold several dtypes {sorted(map(str, dtypes))}; "
                          "give the module a `precision` attribute")
     return Precision.from_dtype(dtypes.pop()) if dtypes else Precision.FP32
+
+
+if TYPE_CHECKING:
+    from colossal.gemini.ddp.gemini_ddp import GeminiDDP
+
+
+class _FusedStep(Protocol):
+    """An optimizer whose step divides the grads by the loss scale itself (HybridAdam)."""
+
+    def step(
+        self,
+        closure: None = None,
+        div_scale: float = -1.0,
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> object: ...
 
 
 def _step_takes(optim: Optimizer, name: str) -> bool:
@@ -117,7 +131,7 @@ class GeminiOptimizer(OptimizerWrapper):
     def __init__(
         self,
         optim: Optimizer,
-        module: nn.Module,
+        module: GeminiDDP,
         *,
         initial_scale: float = 2**16,
         min_scale: float = 1,
@@ -370,7 +384,8 @@ class GeminiOptimizer(OptimizerWrapper):
         if self._fused_grads:
             grads = {v.view: v.grad(g) for v in self.master_views
                      if (g := v.chunk.grad_shard) is not None}  # type: ignore[attr-defined]
-            self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0, grads=grads)
+            fused = cast(_FusedStep, self.optim)  # _step_takes(optim, "grads") said so
+            fused.step(div_scale=divisor if divisor != 1.0 else -1.0, grads=grads)
             return
         upcast: dict[int, torch.Tensor] = {}
         for chunk in self._chunks:
@@ -382,7 +397,7 @@ class GeminiOptimizer(OptimizerWrapper):
             flat = upcast.get(v.chunk.chunk_id)  # type: ignore[attr-defined]
             v.view.grad = None if flat is None else v.grad(flat)
         if self._fused_div:
-            self.optim.step(div_scale=divisor if divisor != 1.0 else -1.0)
+            cast(_FusedStep, self.optim).step(div_scale=divisor if divisor != 1.0 else -1.0)
             return
         if divisor != 1.0:
             with torch.no_grad():

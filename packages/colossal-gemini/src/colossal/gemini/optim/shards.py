@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from torch import nn
@@ -50,6 +51,10 @@ class MasterView:
         """Elements of the piece."""
         return self.stop - self.start
 
+    @overload
+    def grad(self, flat: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def grad(self, flat: None = None) -> torch.Tensor | None: ...
     def grad(self, flat: torch.Tensor | None = None) -> torch.Tensor | None:
         """The matching piece of the chunk's reduced gradient shard (``None`` without one).
 
@@ -81,9 +86,9 @@ class MasterView:
 
 
 def _named_trainable(
-    manager: object, params: Iterable[torch.Tensor]
+    manager: object, params: Iterable[nn.Parameter]
 ) -> list[tuple[str, nn.Parameter]]:
-    out = []
+    out: list[tuple[str, nn.Parameter]] = []
     for p in params:
         if not p.requires_grad:
             continue  # frozen (e.g. LoRA base weights): never optimized, no state

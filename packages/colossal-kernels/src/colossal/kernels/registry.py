@@ -294,7 +294,7 @@ def kernel_report(device: str | torch.device | None = None) -> list[KernelStatus
     from colossal.core.accelerator import get_accelerator
 
     accel = get_accelerator().get_current_device().type
-    rows = []
+    rows: list[KernelStatus] = []
     for kernel in REGISTRY.kernels():
         if device is not None:
             devices: tuple[str, ...] = (

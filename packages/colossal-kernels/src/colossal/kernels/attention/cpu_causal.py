@@ -185,6 +185,7 @@ def causal_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     Raises:
         ValueError: ``S`` does not tile into ``block``.
     """
+    assert _FWD is not None, "no aten flash attention for CPU (see tiled_causal_supported)"
     blk = _block(q, block)
     b, h, s, d = q.shape
     q, k, v = _bshd(q), _bshd(k), _bshd(v)
@@ -232,6 +233,7 @@ def causal_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     Raises:
         ValueError: ``S`` does not tile into ``block``.
     """
+    assert _BWD is not None, "no aten flash attention for CPU (see tiled_causal_supported)"
     blk = _block(q, block)
     b, h, s, d = q.shape
     hk = k.shape[1]

@@ -40,10 +40,9 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        kw = {"device": device, "dtype": dtype}
-        self.weight = (nn.Parameter(torch.ones(self.normalized_shape, **kw))
+        self.weight = (nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
                        if elementwise_affine else None)
-        self.bias = (nn.Parameter(torch.zeros(self.normalized_shape, **kw))
+        self.bias = (nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
                      if elementwise_affine and bias else None)
 
     @classmethod
@@ -118,16 +117,18 @@ class FusedRMSNorm(nn.Module):
         name = type(module).__name__
         weight = getattr(module, "weight", None)
         hf = not isinstance(module, nn.RMSNorm)
-        if not hf:
+        eps: float
+        if isinstance(module, nn.RMSNorm):
             shape = tuple(module.normalized_shape)
-            eps = module.eps
-            if eps is None:
+            if module.eps is not None:
+                eps = module.eps
+            else:
                 eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
         elif (name.endswith("RMSNorm") and name not in _INCOMPATIBLE_RMS
               and isinstance(weight, torch.Tensor)
               and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))):
             shape = tuple(weight.shape)
-            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 0.0))  # one exists
         else:
             raise TypeError(
                 f"{name} is not a compatible RMSNorm (need torch.nn.RMSNorm or a module with "

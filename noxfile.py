@@ -10,6 +10,9 @@
   index), its ``test`` extra and pytest; checks the installed import, then runs
   ``packages/<dist>/tests`` from outside the source tree so the installed wheel is tested.
 * ``integration``: every package's wheel installed together, pytest on ``integration-tests/``.
+* ``typecheck``: mypy (pinned) over every ``packages/*/src`` in one run, configured by the root
+  pyproject.toml ``[tool.mypy]``; sibling imports resolve to this checkout's source through
+  ``mypy_path``, third-party imports to the packages' runtime dependencies installed in the venv.
 * ``newest_transformers``: like ``tests``, but with the newest ``transformers<6`` the index
   serves instead of the ``constraints.txt`` pin (the README's first command installs the
   newest release, CI pins one): colossal-shardformer's tests of every policy and the
@@ -19,7 +22,7 @@
 Extra arguments after ``--`` go to pytest, e.g.
 ``python3 -m nox -s "tests(package='colossal-core')" -- -x -k mesh``.
 JUnit XML results go to ``.ci-results/`` (``layering.xml``, ``tests-<dist>.xml``,
-``integration.xml``); ``tools/summarize_junit.py`` sums them.
+``integration.xml``, ``typecheck.xml``); ``tools/summarize_junit.py`` sums them.
 """
 
 from __future__ import annotations
@@ -379,6 +382,39 @@ def layering(session: nox.Session) -> None:
     session.install("-c", str(DEV_REQUIREMENTS), "pytest")
     session.run("python", str(REPO / "tools" / "check_layering.py"), "--root", str(REPO))
     _run_pytest(session, REPO / "tools" / "tests", "layering")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's ``src`` (config: the root pyproject.toml ``[tool.mypy]``).
+
+    The ``colossal`` namespace is spread over eight distributions, so one mypy run sees all of
+    ``packages/*/src`` (``mypy_path``) and checks imports between packages against this
+    checkout's source; no wheels are built. The venv holds torch (installed first) and the
+    third-party runtime dependencies of every package, whose inline types mypy reads.
+    """
+    _session_env(session)
+    packages = discover_packages()
+    for pkg in packages.values():
+        if pkg.problem is not None:
+            session.error(pkg.problem)
+    _install_torch(session)
+    third_party = sorted(
+        {str(r) for p in packages.values() for r in p.dependencies if not _is_sibling(r)}
+    )
+    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), "mypy", *third_party)
+    session.run("mypy", "--version")
+    junit = _junit_path("typecheck")
+    junit.unlink(missing_ok=True)
+    session.run(
+        "mypy",
+        "--config-file",
+        str(REPO / "pyproject.toml"),
+        "--cache-dir",
+        str(_work_dir(session, "mypy-cache")),
+        f"--junit-xml={junit}",
+        *session.posargs,
+    )
 
 
 @nox.session

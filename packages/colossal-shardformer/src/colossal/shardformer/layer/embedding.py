@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual alias
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.core import Block, shard_parameter, shard_spec
+from colossal.core import Block, ShardSpec, shard_parameter, shard_spec
 from colossal.shardformer.layer._primitives import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -48,6 +48,13 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
         )
     multiple = make_vocab_size_divisible_by * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def _spec(weight: torch.Tensor) -> ShardSpec:
+    """The shard record :func:`_vocab_weight` put on ``weight``."""
+    spec = shard_spec(weight)
+    assert spec is not None, "_vocab_weight marks the weights it returns"
+    return spec
 
 
 def _vocab_weight(
@@ -156,7 +163,7 @@ class VocabParallelEmbedding1D(nn.Module):
         weight, padded = _vocab_weight(
             module.weight, process_group, make_vocab_size_divisible_by, cls.__name__
         )
-        vocab = int(shard_spec(weight).shape[0])
+        vocab = int(_spec(weight).shape[0])
         padding_idx = getattr(module, "padding_idx", None)
         return cls(weight, vocab, padded, padding_idx, process_group)
 
@@ -253,7 +260,7 @@ class VocabParallelLMHead1D(nn.Module):
         weight, padded = _vocab_weight(
             module.weight, process_group, make_vocab_size_divisible_by, cls.__name__
         )
-        vocab = int(shard_spec(weight).shape[0])
+        vocab = int(_spec(weight).shape[0])
         bias = None
         if getattr(module, "bias", None) is not None:
             tp, rank = group_size(process_group), group_rank(process_group)

@@ -99,6 +99,13 @@ def _check_fused(name: str, out: int, n_fused: int, tp: int) -> None:
     )
 
 
+def _native_weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight`` of the native layer being replaced."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight must be a tensor, got {weight!r}")
+    return weight
+
 class _ParallelLinear(nn.Module):
     """Shared state of the four layers: group, sizes and the ``weight``/``bias`` parameters.
 
@@ -134,7 +141,7 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
         """``(in_features, out_features)`` of the native layer (``nn.Linear``: ``(out, in)``)."""
-        return int(module.weight.shape[1]), int(module.weight.shape[0])
+        return int(_native_weight(module).shape[1]), int(_native_weight(module).shape[0])
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._out_dim == 0:
@@ -204,14 +211,15 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         tp, rank = group_size(process_group), group_rank(process_group)
         _check_fused(cls.__name__, out_features, n_fused, tp)
         weight = shard_parameter(
-            module.weight,
-            column_part(tuple(module.weight.shape), cls._out_dim, n_fused, tp, rank),
+            _native_weight(module),
+            column_part(tuple(_native_weight(module).shape), cls._out_dim, n_fused, tp, rank),
             process_group,
         )
         bias = None
-        if getattr(module, "bias", None) is not None:
+        native_bias = getattr(module, "bias", None)
+        if native_bias is not None:
             bias = shard_parameter(
-                module.bias, column_part((out_features,), 0, n_fused, tp, rank), process_group
+                native_bias, column_part((out_features,), 0, n_fused, tp, rank), process_group
             )
         return cls(in_features, out_features, weight, bias, process_group, gather_output, n_fused)
 
@@ -290,8 +298,8 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         in_dim = 1 - cls._out_dim
         per = in_features // tp
         weight = shard_parameter(
-            module.weight,
-            Block.along(tuple(module.weight.shape), in_dim, rank * per, (rank + 1) * per),
+            _native_weight(module),
+            Block.along(tuple(_native_weight(module).shape), in_dim, rank * per, (rank + 1) * per),
             process_group,
         )
         bias = getattr(module, "bias", None)
@@ -327,7 +335,7 @@ class _Conv1DLayout:
 
     @classmethod
     def _native_sizes(cls, module: nn.Module) -> tuple[int, int]:
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
+        return int(_native_weight(module).shape[0]), int(_native_weight(module).shape[1])
 
     @property
     def nf(self) -> int:

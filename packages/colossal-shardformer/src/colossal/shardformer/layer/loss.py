@@ -209,7 +209,7 @@ def causal_lm_loss_fn(process_group: ProcessGroup | None) -> Callable[..., torch
                 flat, shift_labels.reshape(-1).to(flat.device),
                 ignore_index=ignore_index, reduction=reduction,
             )
-        if reduction == "sum":
+        if num_items_in_batch is not None:  # reduction == "sum"
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch

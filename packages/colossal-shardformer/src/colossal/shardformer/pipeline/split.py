@@ -146,15 +146,15 @@ class SharedParameter(dict):
             raise KeyError(stage)
         return self._resolve(stage)
 
-    def get(self, stage: int, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, stage: int, default: Any = None) -> Any:
         """The parameter of ``stage`` (``default`` when no stage shares it)."""
         return self._resolve(stage) if stage in self._where else default
 
-    def values(self) -> Any:  # type: ignore[override]
+    def values(self) -> Any:
         """The current parameters (``None`` for stages not on this rank)."""
         return [self._resolve(s) for s in self._where]
 
-    def items(self) -> Any:  # type: ignore[override]
+    def items(self) -> Any:
         """``(stage, current parameter)`` pairs."""
         return [(s, self._resolve(s)) for s in self._where]
 
@@ -209,7 +209,7 @@ def _make_chunk(
         _replace_path(chunk, path, placeholder)
         if kind == "input":
             inputs.append(placeholder)
-    chunk._colossal_pipeline_slice = slice_index
+    chunk._colossal_pipeline_slice = slice_index  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module
     chunk.forward = StageForward(chunk, plan, base_path, is_first, is_last, inputs)
     logger.debug(
         "%s slice %d: layers [%d, %d), placeholders %s",

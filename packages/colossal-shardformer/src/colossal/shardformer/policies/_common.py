@@ -8,7 +8,7 @@ vocab-parallel losses. No model ``forward`` is copied or replaced.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from colossal.shardformer.policies.base_policy import (
     PolicyMap,
     SubModuleReplacementDescription,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class TPPolicy(Policy):
 
     lm_head: str | None = None
     loss: str | None = None
+    model: PreTrainedModel | None  # these policies shard Hugging Face models
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,6 +190,8 @@ class TiedVocabParallelLMHead:
             emb = policy.model.get_input_embeddings()
             if emb.weight is not native:  # the embedding got a new (sharded) Parameter
                 module.weight = emb.weight
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"the LM head must be an nn.Linear, got {type(module).__name__}")
         new = VocabParallelLMHead1D.from_native_module(module, process_group, **kwargs)
         policy.after_lm_head(module, new)
         return new
@@ -239,7 +245,7 @@ def install_masked_lm_loss(model: nn.Module, process_group: Any, vocab_size: int
         model.register_forward_pre_hook(take_labels, with_kwargs=True),
         model.register_forward_hook(add_loss, with_kwargs=True),
     )
-    model._colossal_masked_lm_loss = handles
+    model._colossal_masked_lm_loss = handles  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module
 
 
 def dropout_descriptions(

@@ -87,7 +87,7 @@ class BertPolicy(TPPolicy):
     def after_lm_head(self, native: nn.Module, head: nn.Module) -> None:
         """Keep ``cls.predictions.bias`` the decoder's bias (HF ties them) once it is sharded."""
         assert self.model is not None
-        predictions = self.model.cls.predictions
+        predictions = self.model.get_submodule("cls.predictions")
         old = getattr(native, "bias", None)
         if old is not None and getattr(predictions, "bias", None) is old:
             predictions.bias = head.bias

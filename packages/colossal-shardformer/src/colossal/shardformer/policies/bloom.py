@@ -127,7 +127,7 @@ class BloomPolicy(TPPolicy):
             for module in self.model.modules():
                 if isinstance(module, BloomAttention) and not hasattr(module, "_colossal_alibi"):
                     slicer = _AlibiSlicer(self.model.config.n_head, rank, tp)
-                    module._colossal_alibi = module.register_forward_pre_hook(
+                    module._colossal_alibi = module.register_forward_pre_hook(  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module
                         slicer, with_kwargs=True
                     )
         return super().postprocess()

@@ -91,20 +91,22 @@ def _split_adapters(path: str, lora: nn.Module, base: nn.Module, group: Any) -> 
 
     if base is lora.base_layer:
         return  # not sharded: the adapters stay whole
-    names = list(lora.lora_A)
+    lora_a, lora_b, dropout = lora.lora_A, lora.lora_B, lora.lora_dropout
+    assert isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)
+    assert isinstance(dropout, nn.ModuleDict)  # peft's LoraLayer keeps one entry per adapter
+    names = list(lora_a)
     if type(base) is Linear1D_Col and base.n_fused == 1:
         for name in names:
-            lora.lora_B[name] = Linear1D_Col.from_native_module(
-                lora.lora_B[name], group, gather_output=base.gather_output)
-            lora.lora_dropout[name] = nn.Sequential(
+            lora_b[name] = Linear1D_Col.from_native_module(
+                lora_b[name], group, gather_output=base.gather_output)
+            dropout[name] = nn.Sequential(
                 RegionInputGrad(group, base.tp_size),
-                _seeded(lora.lora_dropout[name], group, replicated=True))
+                _seeded(dropout[name], group, replicated=True))
     elif type(base) is Linear1D_Row:
         for name in names:
-            lora.lora_A[name] = Linear1D_Row.from_native_module(
-                lora.lora_A[name], group, parallel_input=base.parallel_input)
-            lora.lora_dropout[name] = _seeded(lora.lora_dropout[name], group,
-                                              replicated=not base.parallel_input)
+            lora_a[name] = Linear1D_Row.from_native_module(
+                lora_a[name], group, parallel_input=base.parallel_input)
+            dropout[name] = _seeded(dropout[name], group, replicated=not base.parallel_input)
     else:
         raise NotImplementedError(
             f"LoRA on {path!r}: its base layer becomes {type(base).__name__} under tensor "

@@ -217,7 +217,7 @@ class TPPlanPolicy(Policy):
             else:
                 self._keep_replicated(emb_path, embeddings, entries, modules)
 
-        policy: dict[type[nn.Module], ModulePolicyDescription] = {}
+        policy: PolicyMap = {}
         colwise: dict[type[nn.Module], dict[str, set[str]]] = {}
         for path, (key, style) in entries.items():
             container_path, suffix = _split(path, key)

@@ -163,7 +163,7 @@ def _unpack(buf: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -238,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
             from colossal.core.comm import all_to_all
 
             # the forward's gathered blocks (and views of them) are done with: free them first
-            ctx.kept = cur = share = None
+            ctx.kept = cur = share = None  # type: ignore[assignment]  # freed early
             got = torch.empty_like(shares)
             all_to_all(got, shares, group=ring.group)
             del shares

@@ -309,7 +309,7 @@ def install_sharded_head(
         for param in module.parameters():
             mark_partial_grad(param, group)
             marked += 1
-    model.loss_function = sequence_parallel_causal_loss(model.loss_function, state)
+    model.loss_function = sequence_parallel_causal_loss(model.loss_function, state)  # type: ignore[assignment, arg-type]  # torch's stub: Module attrs are Tensor | Module
     logger.info(
         "%s: LM head and loss on this rank's tokens (%s, %d parameters with partial gradients)",
         type(model).__name__,
@@ -347,4 +347,4 @@ def install_tied_embedding_grad_scale(model: nn.Module, state: SequenceParallelS
         return scale_grad(output, 1.0 / state.size)
 
     state.handles.append(emb.register_forward_hook(scale))
-    emb._colossal_tied_grad_scale = True
+    emb._colossal_tied_grad_scale = True  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module

@@ -55,7 +55,7 @@ def _switch_dropout(module: DropoutForReplicatedInput) -> None:
     """Make a replicated-input dropout draw per-rank masks: its input is now a sequence shard."""
     module.seed = module.seed + module.tp_rank * _RANK_STRIDE
     module._generators.clear()
-    module.__class__ = DropoutForParallelInput
+    module.__class__ = DropoutForParallelInput  # type: ignore[assignment]  # same state, per-rank masks
 
 
 def install_split_gather(model: nn.Module, layers: nn.ModuleList, group: Any) -> None:

@@ -25,13 +25,16 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colossal.shardformer.shard.stack import find_layer_stack
+
+if TYPE_CHECKING:
+    from colossal.shardformer.layer.dropout import _SeededDropout
 
 __all__ = ["PipelineGradientCheckpointConfig", "apply_gradient_checkpointing"]
 
@@ -244,24 +247,28 @@ class PipelineGradientCheckpointConfig:
                 "gradient_checkpointing_ratio needs a layer count: pass num_layers, or give the "
                 "config num_model_layers or num_layers_per_stage"
             )
-        return math.floor(self.gradient_checkpointing_ratio * base + _EPS)
+        ratio = self.gradient_checkpointing_ratio
+        assert ratio is not None  # __post_init__: a ratio or num_ckpt_layers_per_stage
+        return math.floor(ratio * base + _EPS)
 
 
 # ---------------------------------------------------------------------------------------------
 # The recompute.
 
 
-def _seeded_dropouts(layer: nn.Module) -> list[nn.Module]:
+def _seeded_dropouts(layer: nn.Module) -> list[_SeededDropout]:
     from colossal.shardformer.layer.dropout import _SeededDropout
 
     return [m for m in layer.modules() if isinstance(m, _SeededDropout)]
 
 
-def _generator_states(dropouts: list[nn.Module]) -> list[dict[Any, torch.Tensor]]:
+def _generator_states(dropouts: list[_SeededDropout]) -> list[dict[Any, torch.Tensor]]:
     return [{dev: gen.get_state() for dev, gen in d._generators.items()} for d in dropouts]
 
 
-def _set_generator_states(dropouts: list[nn.Module], states: list[dict[Any, torch.Tensor]]) -> None:
+def _set_generator_states(
+    dropouts: list[_SeededDropout], states: list[dict[Any, torch.Tensor]]
+) -> None:
     for module, saved in zip(dropouts, states, strict=True):
         for dev, gen in module._generators.items():
             if dev in saved:
@@ -271,7 +278,9 @@ def _set_generator_states(dropouts: list[nn.Module], states: list[dict[Any, torc
 
 
 @contextlib.contextmanager
-def _replay(dropouts: list[nn.Module], states: list[dict[Any, torch.Tensor]]) -> Iterator[None]:
+def _replay(
+    dropouts: list[_SeededDropout], states: list[dict[Any, torch.Tensor]]
+) -> Iterator[None]:
     """Run with the dropouts' generators as they were before the first run, then put back."""
     now = _generator_states(dropouts)
     _set_generator_states(dropouts, states)
@@ -332,7 +341,7 @@ def _enable(layer: nn.Module) -> None:
     if getattr(layer, _MARK, False):
         return
     if isinstance(layer, GradientCheckpointingLayer):
-        layer._gradient_checkpointing_func = functools.partial(_checkpoint_layer, layer)
+        layer._gradient_checkpointing_func = functools.partial(_checkpoint_layer, layer)  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module
         layer.gradient_checkpointing = True
     else:
         own = layer.__dict__.get("forward")

@@ -28,7 +28,7 @@ def install_vocab_parallel_loss(model: nn.Module, process_group: Any) -> None:
             f"{type(model).__name__} has no loss_function attribute to replace; the "
             "vocab-parallel loss needs a transformers PreTrainedModel"
         )
-    model.loss_function = causal_lm_loss_fn(process_group)
+    model.loss_function = causal_lm_loss_fn(process_group)  # type: ignore[assignment]  # torch's stub: Module attrs are Tensor | Module
     logger.debug("%s: vocab-parallel causal LM loss installed", type(model).__name__)
 
 

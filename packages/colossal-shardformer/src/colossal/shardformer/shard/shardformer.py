@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ class ShardFormer:
 
     def optimize(
         self, model: nn.Module, policy: Policy | None = None
-    ) -> tuple[nn.Module, list[dict[int, torch.Tensor]]]:
+    ) -> tuple[nn.Module, Sequence[Mapping[int, torch.Tensor | None]]]:
         """Shard ``model`` in place.
 
         Order: the policy's ``config_sanity_check``; with a pipeline stage manager, the
@@ -84,7 +85,7 @@ class ShardFormer:
         policy.set_shard_config(config)
         policy.config_sanity_check()
         chunks: list[nn.Module] = [model]
-        shared: list[dict[int, torch.Tensor]] = []
+        shared: Sequence[Mapping[int, torch.Tensor | None]] = []
         if config.pipeline_stage_manager is not None:
             from colossal.shardformer.pipeline import split_into_stages
 

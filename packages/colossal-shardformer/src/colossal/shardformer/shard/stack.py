@@ -57,6 +57,11 @@ def find_layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     path = getattr(model, _PATH_ATTR, None) or _from_pp_plan(model)
     if path is not None:
         layers = model.get_submodule(path)
+        if not isinstance(layers, nn.ModuleList):
+            raise TypeError(
+                f"{type(model).__name__}.{path} is a {type(layers).__name__}, not the "
+                "nn.ModuleList of its layers; point base_model_pp_plan at the layer list"
+            )
         setattr(model, _PATH_ATTR, path)
         return path, layers
     want = getattr(getattr(model, "config", None), "num_hidden_layers", None)

@@ -11,9 +11,10 @@ embedding).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -71,7 +72,7 @@ def repoint_by_alias(
 
 def shard_and_repoint(
     model: nn.Module, optimizer: Optimizer | None, shard_config: Any, policy: Any = None
-) -> tuple[nn.Module, list[Any], list[list[str]]]:
+) -> tuple[nn.Module, Sequence[Mapping[int, torch.Tensor | None]], list[list[str]]]:
     """Shard ``model`` with Shardformer and point ``optimizer`` at the sharded parameters.
 
     Returns:

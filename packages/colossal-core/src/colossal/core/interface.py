@@ -174,7 +174,6 @@ class OptimizerWrapper:
         Wrappers that keep the norm of their last step (ZeRO, Gemini) return None before
         their first step.
         """
-
         return float(grad_norm(list(self._params()), norm_type))
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:

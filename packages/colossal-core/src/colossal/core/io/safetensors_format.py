@@ -20,7 +20,6 @@ from typing import TypeGuard
 
 import torch
 
-
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest header accepted (the safetensors library has the same limit)."""
 

@@ -25,6 +25,7 @@ from colossal.core import (
     OptimizerWrapper,
     ScalerConfig,
     clip_grad_norm_,
+    grad_norm,
     parse_precision,
 )
 from colossal.core.precision import (
@@ -362,14 +363,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """Norm of the unscaled gradients (the last step's, after :meth:`step`)."""
         if self._grad_norm is not None:
             return self._grad_norm
-        return super().get_grad_norm(norm_type) / self.loss_scale
+        return self._scaled_norm(norm_type) / self.loss_scale
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the unscaled gradients to ``max_norm`` during the next :meth:`step`."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self._pending_clip = (float(max_norm), float(norm_type))
-        return super().get_grad_norm(norm_type) / self.loss_scale
+        return self._scaled_norm(norm_type) / self.loss_scale
+
+    def _scaled_norm(self, norm_type: float) -> float:
+        """The global norm of the gradients as they are (still carrying the loss scale)."""
+        return float(grad_norm(list(self._params()), norm_type))
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Unscale, check overflow on every rank, clip if asked, and step (or skip)."""

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+_zlib: Any
 try:
-    from zlib_ng import zlib_ng as _zlib
+    from zlib_ng import zlib_ng as _zlib_ng
+
+    _zlib = _zlib_ng
 except ImportError:  # pragma: no cover - exercised where zlib-ng is not installed
-    import zlib as _zlib
+    import zlib
+
+    _zlib = zlib
 
 __all__ = ["crc32", "crc32_combine"]
 

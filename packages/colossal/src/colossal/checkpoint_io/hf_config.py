@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from torch import nn
 
@@ -22,7 +23,7 @@ def hf_config_files(module: nn.Module) -> dict[str, str]:
     changes to the configs do not reach an async save.
     """
     out: dict[str, str] = {}
-    config = getattr(module, "config", None)
+    config: Any = getattr(module, "config", None)
     text = None
     if callable(getattr(config, "to_json_string", None)):
         text = config.to_json_string()

@@ -110,8 +110,8 @@ def named_to_indexed(
     position = {n: i for i, n in enumerate(names)}
     by_param: dict[str, list[str]] = {}
     for key in weight_map:
-        param, _, state = key.rpartition(".")
-        by_param.setdefault(param, []).append(state)
+        param, _, state_name = key.rpartition(".")
+        by_param.setdefault(param, []).append(state_name)
     state: dict[int, dict[str, Any]] = {}
     for name in names:
         entries: dict[str, Any] = {}

@@ -13,6 +13,7 @@ applied before materializing) is materialized as only its part the same way.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ def _realize(root: _Root) -> torch.Tensor:
             target = _apply_chain(real, chain)
             args = tree_map(_to_real, args)
             kwargs = tree_map(_to_real, kwargs)
-            _with_rng(state, lambda f=func, t=target, a=args, k=kwargs: f(t, *a, **k))
+            _with_rng(state, functools.partial(func, target, *args, **kwargs))
     return real
 
 

@@ -391,7 +391,8 @@ def typecheck(session: nox.Session) -> None:
     The ``colossal`` namespace is spread over eight distributions, so one mypy run sees all of
     ``packages/*/src`` (``mypy_path``) and checks imports between packages against this
     checkout's source; no wheels are built. The venv holds torch (installed first) and the
-    third-party runtime dependencies of every package, whose inline types mypy reads.
+    third-party runtime dependencies of every package, whose inline types mypy reads, and
+    pytest (``colossal.core.testing`` supports it).
     """
     _session_env(session)
     packages = discover_packages()
@@ -402,7 +403,9 @@ def typecheck(session: nox.Session) -> None:
     third_party = sorted(
         {str(r) for p in packages.values() for r in p.dependencies if not _is_sibling(r)}
     )
-    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), "mypy", *third_party)
+    # pytest: colossal.core.testing's pytest support imports it (typed inline).
+    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), "mypy", "pytest",
+                    *third_party)
     session.run("mypy", "--version")
     junit = _junit_path("typecheck")
     junit.unlink(missing_ok=True)

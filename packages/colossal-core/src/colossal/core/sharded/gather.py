@@ -16,6 +16,7 @@ the destination. A group that is not such an axis raises instead of guessing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -53,8 +54,15 @@ def grid_axes(ranks: Sequence[int]) -> list[tuple[int, int]] | None:
     """``(stride, size)`` of each grid axis a group spans, innermost first; None if no grid.
 
     A group along one or several axes of a row-major grid holds ``first + sum(c_k * s_k)``
-    for every coordinate ``c_k < n_k``: the strides and sizes are read off the ranks.
+    for every coordinate ``c_k < n_k``: the strides and sizes are read off the ranks (once
+    per group: a save asks for every tensor and level).
     """
+    axes = _grid_axes(tuple(ranks))
+    return None if axes is None else list(axes)
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_axes(ranks: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
     first = min(ranks)
     offsets = {r - first for r in ranks}
     if len(offsets) != len(ranks):
@@ -71,7 +79,7 @@ def grid_axes(ranks: Sequence[int]) -> list[tuple[int, int]] | None:
             return None
     if covered != offsets or any((first // s) % n for s, n in axes):
         return None
-    return axes
+    return tuple(axes)
 
 
 def leader_of(ranks: Sequence[int], dst: int | None) -> int | None:

@@ -179,3 +179,55 @@ def test_data_parallel_over_a_given_group(rank: int, world_size: int) -> None:
         ParallelDims(pp=2, dp_group=mine)
     with pytest.raises(ValueError, match="dp=2 differs from the size 1"):
         ParallelDims(dp=2, dp_group=mine)
+
+
+# ---- tensor-parallel grids (2D, 2.5D, 3D) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 8, "tp_mode": "2d"}, r"tp=8 is not a square; use tp=4, 9"),
+        ({"tp": 8, "tp_mode": "2.5d", "tp_depth": 3}, r"tp=8 is not tp_depth=3 times a square"),
+        ({"tp": 4, "tp_mode": "3d"}, r"tp=4 is not a cube; use tp=8, 27"),
+        ({"tp": 4, "tp_mode": "4d"}, r"tp_mode='4d' is not one of"),
+        ({"tp": 4, "tp_depth": 2}, r"tp_depth=2 applies to tp_mode='2.5d' only"),
+    ],
+)
+def test_tp_grid_sizes_are_validated(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(world_size=8, **kwargs)
+
+
+def test_tp_grid_ranks() -> None:
+    # 2D at world 8 (dp 2 x 2x2 grid): tp rank l = 2*row + col inside each block of 4.
+    dims = ParallelDims(dp=2, tp=4, tp_mode="2d", world_size=8)
+    assert dims.tp_grid_shape == (2, 2)
+    assert dims.ranks("tp_row", rank=5) == [4, 5]  # the row of rank 5: same row, each column
+    assert dims.ranks("tp_col", rank=5) == [5, 7]
+    assert dims.ranks("tp", rank=5) == [4, 5, 6, 7]  # the grid as a whole is still tp
+    assert dims.coordinate("tp_row", rank=5) == 1 and dims.coordinate("tp_col", rank=5) == 0
+    # 2.5D, depth 2 of a 2x2 grid: depth outermost; xz = depth x row.
+    dims = ParallelDims(tp=8, tp_mode="2.5d", tp_depth=2, world_size=8)
+    assert dims.tp_grid_shape == (2, 2, 2)
+    assert dims.ranks("tp_dep", rank=1) == [1, 5]
+    assert dims.ranks(("tp_dep", "tp_row"), rank=0) == [0, 1, 4, 5]
+    # 3D cube: input innermost, output outermost.
+    dims = ParallelDims(tp=8, tp_mode="3d", world_size=8)
+    assert dims.ranks("tp_input", rank=0) == [0, 1]
+    assert dims.ranks("tp_weight", rank=0) == [0, 2]
+    assert dims.ranks("tp_output", rank=0) == [0, 4]
+    assert dims.size(("tp_input", "tp_weight")) == 4
+    with pytest.raises(ValueError, match=r"'tp_row' exists only with tp_mode in \['2d', '2.5d'\]"):
+        ParallelDims(tp=2, world_size=2).ranks("tp_row", rank=0)
+
+
+@distributed_test(4)
+def test_tp_grid_groups_at_world_4(rank: int, world_size: int) -> None:
+    dims = ParallelDims(tp=4, tp_mode="2d")
+    for axis in ("tp_row", "tp_col"):
+        members, total = _members_and_sum(dims.group(axis))
+        assert members == dims.ranks(axis) and total == sum(members), axis
+        assert dist.get_rank(dims.group(axis)) == dims.coordinate(axis)
+    assert dims.group("tp") is dist.group.WORLD
+    dims.destroy()

@@ -28,7 +28,7 @@ from colossal.core.logging import (
     warn_once,
 )
 from colossal.core.mesh import ProcessGroupMesh
-from colossal.core.parallel_dims import ParallelDims
+from colossal.core.parallel_dims import TP_MODES, ParallelDims
 from colossal.core.precision import DynamicGradScaler, Precision, ScalerConfig, parse_precision
 from colossal.core.sharded import (
     Absent,
@@ -81,6 +81,7 @@ __all__ = [
     "Owned",
     "OptimizerWrapper",
     "ParallelDims",
+    "TP_MODES",
     "Placed",
     "Placement",
     "Precision",

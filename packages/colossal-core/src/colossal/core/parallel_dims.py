@@ -3,7 +3,8 @@
 Every plugin and package asks one :class:`ParallelDims` for its process groups instead of
 building groups of its own, so a job has one layout of ranks: data parallel (``dp``, itself
 split into ``dp_replicate`` x ``dp_shard`` for ZeRO/FSDP sharding over part of it), pipeline
-(``pp``), sequence (``sp``) and tensor (``tp``) parallel.
+(``pp``), sequence (``sp``) and tensor (``tp``) parallel. ``tp`` may itself be a grid
+(``tp_mode`` ``"2d"``, ``"2.5d"`` or ``"3d"``) whose rows, columns and depth are groups too.
 """
 
 from __future__ import annotations
@@ -21,18 +22,35 @@ from colossal.core.mesh import ProcessGroupMesh
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_AXIS_ORDER", "GROUP_NAMES", "ParallelDims"]
+__all__ = ["DEFAULT_AXIS_ORDER", "GROUP_NAMES", "TP_GRID_AXES", "TP_MODES", "ParallelDims"]
 
 #: The four axes of :attr:`ParallelDims.order`.
 AXES = ("dp", "pp", "sp", "tp")
 #: Default order, outermost first: ranks next to each other share ``tp`` (the most
 #: communication-heavy axis, kept on the fastest links), then ``sp``, ``pp``, ``dp``.
 DEFAULT_AXIS_ORDER = ("dp", "pp", "sp", "tp")
-#: Names :meth:`ParallelDims.group` accepts (alone or several together).
-GROUP_NAMES = ("dp", "dp_replicate", "dp_shard", "pp", "sp", "tp")
-
-# In the mesh, dp is two adjacent axes: replicas outside, ZeRO/FSDP shards inside.
-_EXPAND = {"dp": ("dp_replicate", "dp_shard")}
+#: Layouts of the tensor-parallel ranks: ``None``/``"1d"`` a line, the others a grid.
+TP_MODES = (None, "1d", "2d", "2.5d", "3d")
+#: The grid axes ``tp`` splits into, outermost first, per grid mode. Each name is also the
+#: group along that axis: ``tp_row`` holds one row of the 2D grid (its ranks differ in the
+#: column index), ``tp_col`` one column, ``tp_dep`` one depth fibre of the 2.5D grid; the 3D
+#: cube has an ``input``, ``weight`` and ``output`` axis.
+TP_GRID_AXES: dict[str, tuple[str, ...]] = {
+    "2d": ("tp_col", "tp_row"),
+    "2.5d": ("tp_dep", "tp_col", "tp_row"),
+    "3d": ("tp_output", "tp_weight", "tp_input"),
+}
+#: Names :meth:`ParallelDims.group` accepts (alone or several together); the grid axes only
+#: when ``tp_mode`` has them.
+GROUP_NAMES = (
+    "dp",
+    "dp_replicate",
+    "dp_shard",
+    "pp",
+    "sp",
+    "tp",
+    *dict.fromkeys(a for axes in TP_GRID_AXES.values() for a in axes),
+)
 
 
 def _is_size(value: object) -> bool:
@@ -66,6 +84,11 @@ class ParallelDims:
         dp_shard: Size of the ZeRO/FSDP shard group inside dp (must divide dp); ``None``
             shards over all of dp.
         order: The four axes ``"dp"``, ``"pp"``, ``"sp"``, ``"tp"``, outermost first.
+        tp_mode: How the ``tp`` ranks are arranged: ``None`` or ``"1d"`` (a line), ``"2d"``
+            (a q x q grid: ``tp`` = q*q), ``"2.5d"`` (``tp_depth`` layers of a q x q grid:
+            ``tp`` = depth*q*q) or ``"3d"`` (a q x q x q cube: ``tp`` = q**3). The grid's axes
+            (:data:`TP_GRID_AXES`) are group names too.
+        tp_depth: Layers of the 2.5D grid (``tp_mode="2.5d"`` only).
         world_size: Ranks described; the default group's size when ``None`` (then
             torch.distributed must be initialized), the size of ``dp_group`` when given.
         dp_group: An existing data-parallel group to use as the whole ``dp`` axis (what a
@@ -89,6 +112,8 @@ class ParallelDims:
     dp_shard: int | None = None
     order: tuple[str, ...] = DEFAULT_AXIS_ORDER
     world_size: int | None = None
+    tp_mode: str | None = None
+    tp_depth: int = 1
     dp_group: ProcessGroup | None = field(default=None, repr=False, compare=False)
     _mesh: ProcessGroupMesh | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -118,6 +143,7 @@ class ParallelDims:
                 f"first (default {DEFAULT_AXIS_ORDER})"
             )
         object.__setattr__(self, "order", order)
+        self._check_tp_grid()
         world = self._resolve_world_size()
         object.__setattr__(self, "world_size", world)
         if self.dp_group is not None and (self.pp, self.tp, self.sp) != (1, 1, 1):
@@ -149,6 +175,52 @@ class ParallelDims:
                 f"replicates across dp / dp_shard of them)"
             )
         object.__setattr__(self, "dp_shard", shard)
+
+    def _check_tp_grid(self) -> None:
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode={self.tp_mode!r} is not one of {TP_MODES}")
+        if not _is_size(self.tp_depth):
+            raise ValueError(f"tp_depth must be a positive int, got {self.tp_depth!r}")
+        if self.tp_mode != "2.5d" and self.tp_depth != 1:
+            raise ValueError(
+                f"tp_depth={self.tp_depth} applies to tp_mode='2.5d' only (got "
+                f"tp_mode={self.tp_mode!r}); leave tp_depth at 1"
+            )
+        if self.tp_mode == "2d":
+            side = math.isqrt(self.tp)
+            if side * side != self.tp:
+                raise ValueError(
+                    f"tp_mode='2d' arranges the tensor-parallel ranks in a q x q grid, but "
+                    f"tp={self.tp} is not a square; use tp=4, 9, 16, ..."
+                )
+        elif self.tp_mode == "2.5d":
+            layer, rest = divmod(self.tp, self.tp_depth)
+            side = math.isqrt(layer)
+            if rest or side * side != layer:
+                raise ValueError(
+                    f"tp_mode='2.5d' arranges the tensor-parallel ranks in depth x q x q, but "
+                    f"tp={self.tp} is not tp_depth={self.tp_depth} times a square; use "
+                    f"tp={self.tp_depth * 4}, {self.tp_depth * 9}, ... or another depth"
+                )
+        elif self.tp_mode == "3d":
+            side = round(self.tp ** (1 / 3))
+            if side**3 != self.tp:
+                raise ValueError(
+                    f"tp_mode='3d' arranges the tensor-parallel ranks in a q x q x q cube, but "
+                    f"tp={self.tp} is not a cube; use tp=8, 27, 64, ..."
+                )
+
+    @property
+    def tp_grid_shape(self) -> tuple[int, ...]:
+        """Extents of the tensor-parallel grid axes (:data:`TP_GRID_AXES`); ``()`` if a line."""
+        axes = TP_GRID_AXES.get(self.tp_mode or "")
+        if axes is None:
+            return ()
+        if self.tp_mode == "2.5d":
+            side = math.isqrt(self.tp // self.tp_depth)
+            return (self.tp_depth, side, side)
+        side = math.isqrt(self.tp) if self.tp_mode == "2d" else round(self.tp ** (1 / 3))
+        return (side,) * len(axes)
 
     def _resolve_world_size(self) -> int:
         if self.dp_group is not None:
@@ -229,7 +301,16 @@ class ParallelDims:
     @property
     def mesh_axes(self) -> tuple[str, ...]:
         """Axis names of the mesh, outermost first (dp as ``dp_replicate``, ``dp_shard``)."""
-        return tuple(name for axis in self.order for name in _EXPAND.get(axis, (axis,)))
+        return tuple(name for axis in self.order for name in self._expand(axis))
+
+    def _expand(self, name: str) -> tuple[str, ...]:
+        """The mesh axes behind a group name: dp is its replicas outside, its shards inside;
+        a grid-mode tp is its grid axes."""
+        if name == "dp":
+            return ("dp_replicate", "dp_shard")
+        if name == "tp":
+            return TP_GRID_AXES.get(self.tp_mode or "", ("tp",))
+        return (name,)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -239,6 +320,9 @@ class ParallelDims:
     def _extent(self, name: str) -> int:
         if name == "dp_replicate":
             return self.dp_replicate
+        grid = TP_GRID_AXES.get(self.tp_mode or "", ())
+        if name in grid:
+            return self.tp_grid_shape[grid.index(name)]
         return int(getattr(self, name))
 
     def _axes(self, names: str | Sequence[str]) -> tuple[str, ...]:
@@ -250,9 +334,18 @@ class ParallelDims:
                 f"unknown parallel axis name(s) {unknown or wanted!r}; use one or more of "
                 f"{GROUP_NAMES}"
             )
-        expanded = [m for n in wanted for m in _EXPAND.get(n, (n,))]
+        expanded = [m for n in wanted for m in self._expand(n)]
+        missing = [m for m in expanded if m not in self.mesh_axes]
+        if missing:
+            modes = [mode for mode, axes in TP_GRID_AXES.items() if missing[0] in axes]
+            raise ValueError(
+                f"group {missing[0]!r} exists only with tp_mode in {modes} (this job has "
+                f"tp_mode={self.tp_mode!r}, tp={self.tp})"
+            )
         if len(set(expanded)) != len(expanded):
-            raise ValueError(f"axes {wanted} name an axis twice (dp includes dp_shard)")
+            raise ValueError(
+                f"axes {wanted} name an axis twice (dp includes dp_shard, tp its grid axes)"
+            )
         return tuple(a for a in self.mesh_axes if a in expanded)
 
     def size(self, names: str | Sequence[str]) -> int:

@@ -304,8 +304,7 @@ class ParallelDims:
         return tuple(name for axis in self.order for name in self._expand(axis))
 
     def _expand(self, name: str) -> tuple[str, ...]:
-        """The mesh axes behind a group name: dp is its replicas outside, its shards inside;
-        a grid-mode tp is its grid axes."""
+        """The mesh axes behind a group name (dp: replicas, shards; a grid-mode tp: its axes)."""
         if name == "dp":
             return ("dp_replicate", "dp_shard")
         if name == "tp":

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from colossal.kernels.optim._functional import AdamHyper, check_adam_tensors
 from colossal.kernels.optim._offload import NVMeOffloadMixin
@@ -63,7 +64,7 @@ class AdamBase(NVMeOffloadMixin, Optimizer):
     """
 
     def __init__(
-        self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+        self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
         adamw_mode: bool = True, nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: str | None = None, nvme_direct_io: bool | None = None,
@@ -155,9 +156,17 @@ class AdamBase(NVMeOffloadMixin, Optimizer):
         working = self._working.get(p)
         return working.grad if working is not None else None
 
+    @overload
+    def step(self, closure: None = None, div_scale: float = -1.0,
+             grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float], div_scale: float = -1.0,
+             grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1.0,
-             grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None, div_scale: float = -1.0,
+             grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> float | None:
         """One Adam step over every param that has a grad.
 
         Args:

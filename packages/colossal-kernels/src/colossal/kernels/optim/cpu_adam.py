@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from colossal.kernels.optim._base import AdamBase, AdamFn
 from colossal.kernels.optim._functional import torch_adam_step
@@ -47,7 +47,7 @@ class CPUAdam(AdamBase):
     """
 
     def __init__(
-        self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+        self, model_params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
         adamw_mode: bool = True, nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: str | None = None, nvme_direct_io: bool | None = None,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
+from torch.optim.optimizer import ParamsT
 
 from colossal.kernels.optim._base import AdamBase, AdamFn
 from colossal.kernels.registry import REGISTRY
@@ -34,7 +32,7 @@ class FusedAdam(AdamBase):
     """
 
     def __init__(
-        self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+        self, params: ParamsT, lr: float = 1e-3, bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adamw_mode: bool = True,
         weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
     ) -> None:

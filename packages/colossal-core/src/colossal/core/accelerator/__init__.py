@@ -1,7 +1,13 @@
 """Device abstraction: ``get_accelerator()`` picks CUDA when present, else the CPU."""
 
 from colossal.core.accelerator.api import get_accelerator
-from colossal.core.accelerator.base import BaseAccelerator, NoOpEvent, NoOpStream
+from colossal.core.accelerator.base import (
+    BaseAccelerator,
+    DeviceEvent,
+    DeviceStream,
+    NoOpEvent,
+    NoOpStream,
+)
 from colossal.core.accelerator.cpu import CpuAccelerator
 from colossal.core.accelerator.cuda import CudaAccelerator
 
@@ -9,6 +15,8 @@ __all__ = [
     "BaseAccelerator",
     "CpuAccelerator",
     "CudaAccelerator",
+    "DeviceEvent",
+    "DeviceStream",
     "NoOpEvent",
     "NoOpStream",
     "get_accelerator",

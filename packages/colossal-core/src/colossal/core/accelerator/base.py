@@ -5,9 +5,31 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
+
+_T = TypeVar("_T")
+
+
+class DeviceStream(Protocol):
+    """What Colossal uses of a device stream: ``torch.cuda.Stream`` or :class:`NoOpStream`."""
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the stream."""
+
+    def query(self) -> bool:
+        """Whether all work queued on the stream is complete."""
+
+
+class DeviceEvent(Protocol):
+    """What Colossal uses of a device event: ``torch.cuda.Event`` or :class:`NoOpEvent`."""
+
+    def synchronize(self) -> None:
+        """Wait for the recorded work."""
+
+    def query(self) -> bool:
+        """Whether the recorded work is complete."""
 
 
 class BaseAccelerator(ABC):
@@ -55,19 +77,19 @@ class BaseAccelerator(ABC):
 
     # ---- streams and events -------------------------------------------------------------
     @abstractmethod
-    def Stream(self) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self) -> DeviceStream:  # noqa: N802 - mirrors torch.cuda.Stream
         """Create a new stream (a no-op stream object on CPU)."""
 
     @abstractmethod
-    def current_stream(self) -> Any:
+    def current_stream(self) -> DeviceStream:
         """The stream work is currently queued on."""
 
     @abstractmethod
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def stream(self, stream: DeviceStream) -> contextlib.AbstractContextManager[object]:
         """Context manager that queues work on ``stream``."""
 
     @abstractmethod
-    def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 - mirrors torch.cuda.Event
+    def Event(self, enable_timing: bool = False) -> DeviceEvent:  # noqa: N802 - mirrors torch.cuda.Event
         """Create an event (a no-op event object on CPU)."""
 
     # ---- memory -------------------------------------------------------------------------
@@ -99,7 +121,7 @@ class BaseAccelerator(ABC):
         """Seed the device's random number generators."""
         torch.manual_seed(seed)
 
-    def autocast(self, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
         """Autocast context for ``dtype`` on this device type."""
         return torch.autocast(device_type=self.name, dtype=dtype)
 
@@ -118,13 +140,13 @@ class NoOpStream:
     def synchronize(self) -> None:
         """Nothing to wait for."""
 
-    def wait_stream(self, other: Any) -> None:
+    def wait_stream(self, other: object) -> None:
         """Nothing to wait for."""
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: object) -> None:
         """Nothing to wait for."""
 
-    def record_event(self, event: Any = None) -> NoOpEvent:
+    def record_event(self, event: object = None) -> NoOpEvent:
         """Return a completed event."""
         return event if isinstance(event, NoOpEvent) else NoOpEvent()
 
@@ -139,10 +161,10 @@ class NoOpEvent:
     def __init__(self, enable_timing: bool = False) -> None:
         self.enable_timing = enable_timing
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: object = None) -> None:
         """Nothing to record."""
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: object = None) -> None:
         """Nothing to wait for."""
 
     def synchronize(self) -> None:
@@ -154,6 +176,6 @@ class NoOpEvent:
 
 
 @contextlib.contextmanager
-def noop_stream_context(stream: Any) -> Iterator[Any]:
+def noop_stream_context(stream: _T) -> Iterator[_T]:
     """A stream context that changes nothing."""
     yield stream

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
 
 import torch
 
 from colossal.core.accelerator.base import (
     BaseAccelerator,
+    DeviceStream,
     NoOpEvent,
     NoOpStream,
     noop_stream_context,
@@ -73,7 +73,7 @@ class CpuAccelerator(BaseAccelerator):
         """A stream that runs nothing asynchronously."""
         return NoOpStream()
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def stream(self, stream: DeviceStream) -> contextlib.AbstractContextManager[object]:
         """A context that changes nothing."""
         return noop_stream_context(stream)
 

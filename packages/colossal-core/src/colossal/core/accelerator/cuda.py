@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import cast
 
 import torch
 
-from colossal.core.accelerator.base import BaseAccelerator
+from colossal.core.accelerator.base import BaseAccelerator, DeviceStream
 
 
 class CudaAccelerator(BaseAccelerator):
@@ -49,9 +49,9 @@ class CudaAccelerator(BaseAccelerator):
         """The current CUDA stream."""
         return torch.cuda.current_stream()
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Queue work on ``stream``."""
-        return torch.cuda.stream(stream)
+    def stream(self, stream: DeviceStream) -> contextlib.AbstractContextManager[object]:
+        """Queue work on ``stream`` (a ``torch.cuda.Stream`` from :meth:`Stream`)."""
+        return torch.cuda.stream(cast(torch.cuda.Stream, stream))
 
     def Event(self, enable_timing: bool = False) -> torch.cuda.Event:  # noqa: N802
         """A new CUDA event."""

@@ -11,13 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from colossal.booster.mixed_precision import (
     SUPPORTED_MIXED_PRECISION,
     MixedPrecision,
     mixed_precision_factory,
 )
-from colossal.booster.plugin.base import Plugin
+from colossal.booster.plugin.base import Boosted, Criterion, Plugin
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
@@ -97,14 +99,15 @@ class Booster:
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Wrap the training objects for the plugin and the precision.
 
         Returns:
-            ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)`` as a
+            :class:`~colossal.booster.plugin.base.Boosted` (a named tuple).
 
         Raises:
             ValueError: The model or optimizer was boosted already.
@@ -128,30 +131,44 @@ class Booster:
                     f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
                 )
         self._boosted.add(model)
-        user_optimizer = optimizer
+        boosted = self._configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        self._boosted.add(boosted.model)
+        if optimizer is not None and boosted.optimizer is not None:
+            # Async saves snapshot in the background; the step that would change what they
+            # read waits for them first (the user's optimizer steps inside every wrapper).
+            optimizer.register_step_pre_hook(self._snapshot_fence)
+            self._fenced.add(boosted.model)
+            self._fenced.add(boosted.optimizer)
+        return boosted
+
+    def _configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        criterion: Criterion | None,
+        dataloader: DataLoader | None,
+        lr_scheduler: LRScheduler | None,
+    ) -> Boosted:
+        """The plugin's (or the plain device move's) wrapping, then the mixed precision's."""
         if self.plugin is not None:
-            model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
-                model, optimizer, criterion, dataloader, lr_scheduler
-            )
+            boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         else:
-            model = model.to(self.device)
+            moved = model.to(self.device)
+            wrapper = None
             if optimizer is not None:
-                names = group_param_names(optimizer, model)
-                optimizer = OptimizerWrapper(optimizer, param_names=names)
+                names = group_param_names(optimizer, moved)
+                wrapper = OptimizerWrapper(optimizer, param_names=names)
+            boosted = Boosted(moved, wrapper, criterion, dataloader, lr_scheduler)
         if self.mixed_precision is not None and (
             self.plugin is None or not self.plugin.control_precision()
         ):
-            model, optimizer, criterion = self.mixed_precision.configure(
-                model, optimizer, criterion
+            wrapped, mp_optimizer, mp_criterion = self.mixed_precision.configure(
+                boosted.model, boosted.optimizer, boosted.criterion
             )
-        self._boosted.add(model)
-        if optimizer is not None:
-            # Async saves snapshot in the background; the step that would change what they
-            # read waits for them first (the user's optimizer steps inside every wrapper).
-            user_optimizer.register_step_pre_hook(self._snapshot_fence)
-            self._fenced.add(model)
-            self._fenced.add(optimizer)
-        return model, optimizer, criterion, dataloader, lr_scheduler
+            boosted = boosted._replace(
+                model=wrapped, optimizer=mp_optimizer, criterion=mp_criterion
+            )
+        return boosted
 
     def _snapshot_fence(self, *_: Any) -> None:
         self.checkpoint_io.wait_snapshots()

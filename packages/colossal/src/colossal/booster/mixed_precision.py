@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from colossal.core.precision import (
     local_overflow,
     scaler_config_from,
 )
+
+if TYPE_CHECKING:
+    from colossal.booster.plugin.base import Criterion
 
 logger = logging.getLogger(__name__)
 
@@ -134,18 +137,18 @@ class MixedPrecision:
     def configure(
         self,
         model: nn.Module,
-        optimizer: Any = None,
-        criterion: Callable[..., Any] | None = None,
-    ) -> tuple[nn.Module, Any, Callable[..., Any] | None]:
+        optimizer: Optimizer | OptimizerWrapper | None = None,
+        criterion: Criterion | None = None,
+    ) -> tuple[AutocastModel, MixedPrecisionOptimizer | None, Criterion | None]:
         """Wrap the model in autocast and the optimizer in a (scaling) mixed-precision one."""
-        model = AutocastModel(model, self.dtype)
-        if optimizer is not None:
-            inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
-            wrapped = MixedPrecisionOptimizer(inner, self.make_scaler())
-            if isinstance(optimizer, OptimizerWrapper) and optimizer.param_names is not None:
-                wrapped.set_param_names(optimizer.param_names)
-            optimizer = wrapped
-        return model, optimizer, criterion
+        autocast = AutocastModel(model, self.dtype)
+        if optimizer is None:
+            return autocast, None, criterion
+        inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
+        wrapped = MixedPrecisionOptimizer(inner, self.make_scaler())
+        if isinstance(optimizer, OptimizerWrapper) and optimizer.param_names is not None:
+            wrapped.set_param_names(optimizer.param_names)
+        return autocast, wrapped, criterion
 
 
 SUPPORTED_MIXED_PRECISION = (

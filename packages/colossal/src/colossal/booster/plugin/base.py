@@ -6,8 +6,9 @@ import abc
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -22,9 +23,35 @@ from colossal.lazy import LazyInitContext, is_lazy
 if TYPE_CHECKING:
     from colossal.checkpoint_io import CheckpointIO
 
-__all__ = ["DPPluginBase", "Plugin", "warn_if_slow_precision"]
+__all__ = ["Boosted", "Criterion", "DPPluginBase", "Plugin", "warn_if_slow_precision"]
 
 logger = logging.getLogger(__name__)
+
+Criterion = Callable[..., torch.Tensor]
+"""A loss function: called with the model's outputs (and the batch), returns the loss."""
+
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
+
+class Boosted(NamedTuple):
+    """The training objects after :meth:`Plugin.configure` (and ``Booster.boost``).
+
+    A tuple: it unpacks as ``model, optimizer, criterion, dataloader, lr_scheduler``.
+    ``None`` stays ``None`` (an object that was not given is not created).
+
+    Attributes:
+        model: The wrapped model (a :class:`~colossal.core.ModelWrapper` under a plugin).
+        optimizer: The optimizer wrapper, or None.
+        criterion: The loss function, or None.
+        dataloader: The dataloader, or None.
+        lr_scheduler: The learning-rate scheduler, or None.
+    """
+
+    model: nn.Module
+    optimizer: OptimizerWrapper | None
+    criterion: Criterion | None
+    dataloader: DataLoader | None
+    lr_scheduler: LRScheduler | None
 
 
 class Plugin(abc.ABC):
@@ -120,14 +147,15 @@ class Plugin(abc.ABC):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
+        criterion: Criterion | None = None,
         dataloader: DataLoader | None = None,
         lr_scheduler: LRScheduler | None = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+    ) -> Boosted:
         """Wrap the training objects for this plugin.
 
         Returns:
-            ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)`` as a
+            :class:`Boosted`.
         """
 
     @abc.abstractmethod
@@ -257,9 +285,9 @@ def warn_if_slow_precision(plugin: str, precision: str) -> None:
         )
 
 
-def find_module(model: nn.Module, cls: type) -> nn.Module | None:
+def find_module(model: nn.Module, cls: type[_ModuleT]) -> _ModuleT | None:
     """The first module of type ``cls`` along ``model.module`` wrappers (or None)."""
-    current: Any = model
+    current: object = model
     for _ in range(16):
         if isinstance(current, cls):
             return current

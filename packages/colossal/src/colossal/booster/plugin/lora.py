@@ -128,9 +128,13 @@ def _adapter_state(
     state = peft_model.state_dict() if state is None else state
     chosen = peft.get_peft_model_state_dict(peft_model, state_dict=state)
     by_id = {id(v): k for k, v in state.items()}
-    names = [by_id.get(id(v)) for v in chosen.values()]
-    if None in names:  # a value peft built itself: gather everything it may read
-        names = list(state)
+    names: list[str] = []
+    for value in chosen.values():
+        name = by_id.get(id(value))
+        if name is None:  # a value peft built itself: gather everything it may read
+            names = list(state)
+            break
+        names.append(name)
     return {name: full(state[name]) for name in names}
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Literal
 
+from torch.optim import Optimizer
 from torch.optim import lr_scheduler as torch_sched
 
+from colossal.core import OptimizerWrapper
 from colossal.nn.lr_scheduler._base import (
     check_float,
     check_last_epoch,
@@ -17,41 +19,41 @@ from colossal.nn.lr_scheduler._base import (
 __all__ = ["LambdaLR", "MultiplicativeLR", "OneCycleLR"]
 
 LrLambda = Callable[[int], float] | Sequence[Callable[[int], float]]
+"""A function of the step returning a factor, or one such function per parameter group."""
+
+_TorchLrLambda = Callable[[int], float] | list[Callable[[int], float]]
 
 
-def _check_lambda(owner: str, lr_lambda: LrLambda | None) -> LrLambda:
+def _check_lambda(owner: str, lr_lambda: LrLambda | None) -> _TorchLrLambda:
     if lr_lambda is None:
         raise ValueError(
             f"{owner}: lr_lambda is required: a function of the step returning a factor (or "
             "one function per parameter group), e.g. lr_lambda=lambda step: 0.95 ** step"
         )
-    return lr_lambda
+    return lr_lambda if callable(lr_lambda) else list(lr_lambda)
 
 
-class _LambdaSchedulerInit:
-    """The ``__init__`` shared by ``LambdaLR`` and ``MultiplicativeLR``.
+def _lambda_arguments(
+    scheduler: LambdaLR | MultiplicativeLR,
+    optimizer: Optimizer | OptimizerWrapper,
+    total_steps: int,
+    lr_lambda: LrLambda | None,
+    last_epoch: int,
+) -> tuple[Optimizer, _TorchLrLambda, int]:
+    """Check the arguments shared by ``LambdaLR`` and ``MultiplicativeLR``.
 
-    Checks the arguments, keeps ``total_steps`` and hands the rest to the torch scheduler
-    that follows this mixin in the MRO.
+    Sets ``scheduler.total_steps`` and returns what the torch scheduler takes.
     """
-
-    def __init__(
-        self,
-        optimizer: Any,
-        total_steps: int,
-        lr_lambda: LrLambda | None = None,
-        last_epoch: int = -1,
-    ) -> None:
-        owner = type(self).__name__
-        self.total_steps, _ = check_steps(owner, total_steps)
-        super().__init__(
-            torch_optimizer(optimizer, owner),
-            _check_lambda(owner, lr_lambda),  # type: ignore[arg-type]
-            last_epoch=check_last_epoch(owner, last_epoch),
-        )
+    owner = type(scheduler).__name__
+    scheduler.total_steps, _ = check_steps(owner, total_steps)
+    return (
+        torch_optimizer(optimizer, owner),
+        _check_lambda(owner, lr_lambda),
+        check_last_epoch(owner, last_epoch),
+    )
 
 
-class LambdaLR(_LambdaSchedulerInit, torch_sched.LambdaLR):
+class LambdaLR(torch_sched.LambdaLR):
     """``lr(s) = b * lr_lambda(s)`` (``torch.optim.lr_scheduler.LambdaLR``).
 
     Only callable objects (not plain functions or lambdas) are part of ``state_dict()``; a
@@ -67,8 +69,22 @@ class LambdaLR(_LambdaSchedulerInit, torch_sched.LambdaLR):
         ValueError: ``lr_lambda`` missing or ``total_steps < 1``.
     """
 
+    total_steps: int
 
-class MultiplicativeLR(_LambdaSchedulerInit, torch_sched.MultiplicativeLR):
+    def __init__(
+        self,
+        optimizer: Optimizer | OptimizerWrapper,
+        total_steps: int,
+        lr_lambda: LrLambda | None = None,
+        last_epoch: int = -1,
+    ) -> None:
+        optim, checked, last = _lambda_arguments(
+            self, optimizer, total_steps, lr_lambda, last_epoch
+        )
+        super().__init__(optim, checked, last_epoch=last)
+
+
+class MultiplicativeLR(torch_sched.MultiplicativeLR):
     """``lr(s) = lr(s - 1) * lr_lambda(s)`` for ``s >= 1`` (torch's ``MultiplicativeLR``).
 
     Args:
@@ -80,6 +96,20 @@ class MultiplicativeLR(_LambdaSchedulerInit, torch_sched.MultiplicativeLR):
     Raises:
         ValueError: ``lr_lambda`` missing or ``total_steps < 1``.
     """
+
+    total_steps: int
+
+    def __init__(
+        self,
+        optimizer: Optimizer | OptimizerWrapper,
+        total_steps: int,
+        lr_lambda: LrLambda | None = None,
+        last_epoch: int = -1,
+    ) -> None:
+        optim, checked, last = _lambda_arguments(
+            self, optimizer, total_steps, lr_lambda, last_epoch
+        )
+        super().__init__(optim, checked, last_epoch=last)
 
 
 class OneCycleLR(torch_sched.OneCycleLR):
@@ -114,10 +144,10 @@ class OneCycleLR(torch_sched.OneCycleLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         pct_start: float = 0.3,
-        anneal_strategy: str = "cos",
+        anneal_strategy: Literal["cos", "linear"] = "cos",
         cycle_momentum: bool = True,
         base_momentum: float = 0.85,
         max_momentum: float = 0.95,
@@ -136,7 +166,7 @@ class OneCycleLR(torch_sched.OneCycleLR):
         max_lrs = [float(group[key]) for group in optim.param_groups]
         super().__init__(
             optim, max_lrs, total_steps=total, pct_start=pct_start,
-            anneal_strategy=anneal_strategy,  # type: ignore[arg-type]
+            anneal_strategy=anneal_strategy,
             cycle_momentum=cycle_momentum, base_momentum=base_momentum,
             max_momentum=max_momentum, div_factor=div_factor,
             final_div_factor=final_div_factor, three_phase=three_phase, last_epoch=last_epoch,

@@ -6,14 +6,21 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
-from colossal.booster.plugin.base import DPPluginBase, find_module, materialize_model
+from colossal.booster.plugin.base import (
+    Boosted,
+    Criterion,
+    DPPluginBase,
+    find_module,
+    materialize_model,
+)
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
@@ -108,18 +115,18 @@ class TorchDDPPlugin(DPPluginBase):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Move the model to the device, wrap it in DDP and the optimizer in a wrapper."""
         materialize_model(model, optimizer)
-        model = model.to(get_accelerator().get_current_device())
+        moved = model.to(get_accelerator().get_current_device())
+        wrapper = None
         if optimizer is not None:
-            names = group_param_names(optimizer, model)
-            optimizer = OptimizerWrapper(optimizer, param_names=names)
-        model = TorchDDPModel(model, self.config, self.dp_group)
-        return model, optimizer, criterion, dataloader, lr_scheduler
+            wrapper = OptimizerWrapper(optimizer, param_names=group_param_names(optimizer, moved))
+        wrapped = TorchDDPModel(moved, self.config, self.dp_group)
+        return Boosted(wrapped, wrapper, criterion, dataloader, lr_scheduler)
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """The default checkpoint IO (every rank holds full tensors)."""
@@ -132,4 +139,4 @@ class TorchDDPPlugin(DPPluginBase):
         ddp = find_module(model, DistributedDataParallel)
         if ddp is None:
             raise TypeError(f"no_sync needs the model returned by boost(), got {type(model)}")
-        return ddp.no_sync()  # type: ignore[operator]
+        return ddp.no_sync()

@@ -214,7 +214,7 @@ class FSDP1Arguments:
         group = self.process_group if self.process_group is not None else dp_group
         if self.hybrid and group is not None:
             raise ValueError(
-                f"TorchFSDPPlugin(sharding_strategy={self.sharding_strategy.name}) builds its "
+                f"TorchFSDPPlugin(sharding_strategy={_name(self.sharding_strategy)}) builds its "
                 "(replicate, shard) mesh over the whole job; pass process_group=None and "
                 "dp_group=None"
             )
@@ -367,7 +367,7 @@ class FSDP1Arguments:
                     f"auto_wrap_policy returned per-module FSDP1 arguments {overrides}; FSDP2 "
                     "applies one setting to every unit here: return True/False instead"
                 )
-            chosen = [m for m in targets if m is not model]
+            chosen: list[nn.Module] = [m for m in targets if m is not model]
         else:
             chosen = []
             _recursive_choice(model, policy, (ignored, _params_of(ignored)), chosen, True)
@@ -391,13 +391,17 @@ class FSDP1Arguments:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if local < 1 or world % local:
             raise ValueError(
-                f"sharding_strategy={self.sharding_strategy.name} shards within a node and "
+                f"sharding_strategy={_name(self.sharding_strategy)} shards within a node and "
                 f"replicates across nodes, but the world size {world} is not a multiple of "
                 f"LOCAL_WORLD_SIZE={local}; launch the same number of ranks on every node"
             )
         if world == local:
             return None
         return ParallelDims(dp=world, dp_shard=local)
+
+
+def _name(strategy: ShardingStrategy | None) -> str:
+    return "None" if strategy is None else strategy.name
 
 
 def _recursive_choice(

@@ -27,8 +27,12 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import (
+    Boosted,
+    Criterion,
     DPPluginBase,
     group_param_names,
     has_lazy_tensors,
@@ -233,7 +237,7 @@ class TorchFSDPPlugin(DPPluginBase):
         device_type = get_accelerator().get_current_device().type
         if not dims.dp_replicate_enabled:
             return DeviceMesh.from_group(dims.group("dp"), device_type)
-        layout = torch.tensor(dims.ranks("dp")).view(dims.dp_replicate, dims.dp_shard)
+        layout = torch.tensor(dims.ranks("dp")).view(dims.dp_replicate, -1)  # (replicate, shard)
         return DeviceMesh.from_group(
             [dims.group("dp_replicate"), dims.group("dp_shard")],
             device_type,
@@ -245,10 +249,10 @@ class TorchFSDPPlugin(DPPluginBase):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Shard the model in place and point the optimizer at the sharded parameters."""
         device = get_accelerator().get_current_device()
         self.fsdp1.prepare(model, optimizer, self.dp_group, device)
@@ -258,23 +262,29 @@ class TorchFSDPPlugin(DPPluginBase):
             model = model.to(device)
         group_names = group_param_names(optimizer, model) if optimizer is not None else []
         mesh = self._mesh()
-        kwargs = {
-            "mesh": mesh,
-            "reshard_after_forward": self.config.reshard_after_forward,
-            "mp_policy": self.mp_policy,
-            "offload_policy": self.offload_policy,
-            "ignored_params": self.fsdp1.ignored_params(model),
-        }
+        ignored_params = self.fsdp1.ignored_params(model)
+
+        def shard(module: nn.Module) -> None:
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=self.config.reshard_after_forward,
+                mp_policy=self.mp_policy,
+                offload_policy=self.offload_policy,
+                ignored_params=ignored_params,
+            )
+
         default_units = _module_types(model, self.config.shard_module_types)
         for module in self.fsdp1.wrap_units(model, default_units):
-            fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
+            shard(module)
+        shard(model)
         if lazy:
             _materialize_shards(model, recipes, device)
+        wrapper = None
         if optimizer is not None:
             repoint_optimizer(optimizer, model, group_names)
-            optimizer = TorchFSDPOptimizer(optimizer, param_names=group_names)
-        return TorchFSDPModel(model), optimizer, criterion, dataloader, lr_scheduler
+            wrapper = TorchFSDPOptimizer(optimizer, param_names=group_names)
+        return Boosted(TorchFSDPModel(model), wrapper, criterion, dataloader, lr_scheduler)
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """Checkpoint IO that gathers DTensors to save and reads row slices to load."""

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import (
+    Boosted,
+    Criterion,
     DPPluginBase,
     find_module,
     materialize_model,
@@ -337,10 +340,10 @@ class GeminiPlugin(DPPluginBase):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Wrap the model in ``GeminiDDP`` and the optimizer in ``GeminiOptimizer``.
 
         A lazily initialized model is materialized first (the optimizer is pointed at the
@@ -358,18 +361,19 @@ class GeminiPlugin(DPPluginBase):
             )
         if self.shard_options.uses_shardformer:
             model = self._shard(model, optimizer)
-        model = GeminiDDP(model, **self._ddp_kwargs())
+        ddp = GeminiDDP(model, **self._ddp_kwargs())
+        gemini = None
         if optimizer is not None:
-            optimizer = GeminiOptimizer(
+            gemini = GeminiOptimizer(
                 optimizer,
-                model,
+                ddp,
                 max_norm=self.config.max_norm,
                 norm_type=self.config.norm_type,
                 verbose=self.verbose,
                 scaler_config=self.config.scaler_config,
                 tp_process_group=self.tp_group,
             )
-        return model, optimizer, criterion, dataloader, lr_scheduler
+        return Boosted(ddp, gemini, criterion, dataloader, lr_scheduler)
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None) -> nn.Module:
         """Shardformer over the tensor-parallel group; the optimizer follows by name."""

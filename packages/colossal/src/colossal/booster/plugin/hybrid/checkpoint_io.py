@@ -37,9 +37,9 @@ from colossal.checkpoint_io.optimizer_fit import check_optimizer_fits
 from colossal.checkpoint_io.optimizer_state import indexed_to_named, named_to_indexed
 from colossal.checkpoint_io.sharded import marked_state_dict
 from colossal.checkpoint_io.template import unwrap_model
-from colossal.core import Block, LocalShard, OptimizerWrapper, shard_spec
+from colossal.core import Block, LocalShard, Nested, OptimizerWrapper, shard_spec
 from colossal.core.comm import all_gather_object
-from colossal.zero import sharded_params
+from colossal.zero import LowLevelZeroOptimizer, sharded_params
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ class HybridCheckpointIO(ZeroCheckpointIO):
                     continue
                 spec = shard_spec(value)
                 part = spec.part if spec is not None else Block.whole(shape)
+                if isinstance(part, Nested):
+                    raise TypeError(
+                        f"{name!r} is placed as {spec}, whose levels do not compose to a "
+                        "block or a flat range; HybridCheckpointIO saves each held tensor as "
+                        "one part of the whole"
+                    )
                 state[name] = LocalShard(value.detach(), part, shape)
         return state
 
@@ -125,7 +131,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
             if source is None:
                 missing.append(name)
                 continue
-            whole = shard_spec(target).shape if shard_spec(target) else target.shape
+            whole = _shape(target)
             if list(whole) != list(reader.shape(source)):
                 raise CheckpointError(
                     f"{source!r} has shape {reader.shape(source)} in {reader.directory} but "
@@ -169,7 +175,8 @@ class HybridCheckpointIO(ZeroCheckpointIO):
             )
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
         local, meta = indexed_to_named(self.optimizer_state(optimizer), names)
-        params = {names[i]: ref.slot.param for i, ref in sharded_params(optimizer).items()}
+        refs = sharded_params(_zero_optimizer(optimizer))
+        params = {names[i]: ref.slot.param for i, ref in refs.items()}
         stage = self.stage
         mine = []
         for key, value in local.items():
@@ -210,7 +217,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
         reader = TensorReader(directory, index["weight_map"])
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
-        refs = sharded_params(optimizer)
+        refs = sharded_params(_zero_optimizer(optimizer))
         check_optimizer_fits(index, reader.shape,
                              {names[i]: tuple(_shape(r.slot.param)) for i, r in refs.items()})
         position = {n: i for i, n in enumerate(names)}
@@ -223,6 +230,20 @@ class HybridCheckpointIO(ZeroCheckpointIO):
                                  keep=self.keep_states)
         optimizer.load_state_dict(state)
         reader.close()
+
+
+def _zero_optimizer(optimizer: OptimizerWrapper) -> LowLevelZeroOptimizer:
+    """``optimizer`` as the ZeRO optimizer the hybrid plugin boosts.
+
+    Raises:
+        TypeError: It is another optimizer (not one returned by ``boost``).
+    """
+    if not isinstance(optimizer, LowLevelZeroOptimizer):
+        raise TypeError(
+            "HybridCheckpointIO saves and loads the optimizer booster.boost returned under "
+            f"HybridParallelPlugin (a LowLevelZeroOptimizer), got {type(optimizer).__name__}"
+        )
+    return optimizer
 
 
 def _shape(tensor: torch.Tensor) -> Sequence[int]:

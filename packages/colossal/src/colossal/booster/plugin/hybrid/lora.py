@@ -65,6 +65,8 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     """The whole CPU tensor of a (possibly tensor-parallel) state entry (collective)."""
     view = sharded_view(value)
     whole = value if view is None else view.gather()
+    if whole is None:  # gather() without a destination returns the tensor on every rank
+        raise RuntimeError(f"gathering {view} returned nothing on this rank")
     return whole.detach().cpu()
 
 

@@ -31,15 +31,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
-from colossal.booster.plugin.base import DPPluginBase, materialize_model
+from colossal.booster.plugin.base import Boosted, Criterion, DPPluginBase, materialize_model
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
 from colossal.booster.plugin.hybrid.config import HybridConfig, ShardOptions, unused_arguments
 from colossal.booster.plugin.hybrid.lora import (
@@ -63,6 +65,9 @@ from colossal.core import (
 from colossal.core.comm import group_ranks
 from colossal.shardformer.policies import lora_policy
 from colossal.zero import LowLevelZeroOptimizer, ZeroConfig
+
+if TYPE_CHECKING:
+    from colossal.pipeline import PipelineSchedule, PipelineStageManager
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +268,7 @@ class HybridParallelPlugin(DPPluginBase):
             warn_once(logger, f"HybridParallelPlugin: {', '.join(unused)} has no effect here: "
                       "gradients are reduced in ZeRO's buckets (not torch DDP) and Shardformer "
                       "has no JIT-fused kernels; leave them at their defaults")
-        self.schedule: Any = None
+        self.schedule: PipelineSchedule | None = None
         replica = dims.coordinate(("dp", "sp") if cfg.sp_group_of_its_own else "dp") == 0
         self._checkpoint_io = HybridCheckpointIO(replica, (tp_size, pp_size),
                                                  self.pp_group if pp_size > 1 else None)
@@ -293,7 +298,7 @@ class HybridParallelPlugin(DPPluginBase):
         """Data-parallel size."""
         return self.config.dp_size
 
-    def _stage_manager(self, dims: ParallelDims) -> Any:
+    def _stage_manager(self, dims: ParallelDims) -> PipelineStageManager:
         from colossal.pipeline import PipelineStageManager
 
         cfg = self.config
@@ -306,7 +311,11 @@ class HybridParallelPlugin(DPPluginBase):
             num_layers_per_stage=cfg.num_layers_per_stage,
         )
 
-    def _schedule(self, shared: Any) -> Any:
+    def _schedule(
+        self,
+        stage_manager: PipelineStageManager,
+        shared: Sequence[Mapping[int, torch.Tensor | None]],
+    ) -> PipelineSchedule:
         from colossal.pipeline import (
             InterleavedSchedule,
             OneForwardOneBackwardSchedule,
@@ -314,17 +323,34 @@ class HybridParallelPlugin(DPPluginBase):
         )
 
         cfg = self.config
-        kwargs = {
-            "num_microbatches": cfg.num_microbatches,
-            "microbatch_size": None if cfg.num_microbatches else cfg.microbatch_size,
-            "enable_metadata_cache": self.enable_metadata_cache,
-            "shared_params": shared,
-        }
+        microbatches = cfg.num_microbatches
+        microbatch_size = None if cfg.num_microbatches else cfg.microbatch_size
+        cache = self.enable_metadata_cache
         if cfg.pp_style == "interleaved":
-            return InterleavedSchedule(self.stage_manager, cfg.num_model_chunks, **kwargs)
+            return InterleavedSchedule(
+                stage_manager,
+                cfg.num_model_chunks,
+                num_microbatches=microbatches,
+                microbatch_size=microbatch_size,
+                enable_metadata_cache=cache,
+                shared_params=shared,
+            )
         if cfg.pp_style == "zbv":
-            return ZeroBubbleVPipeScheduler(self.stage_manager, 2, **kwargs)
-        return OneForwardOneBackwardSchedule(self.stage_manager, **kwargs)
+            return ZeroBubbleVPipeScheduler(
+                stage_manager,
+                2,
+                num_microbatches=microbatches,
+                microbatch_size=microbatch_size,
+                enable_metadata_cache=cache,
+                shared_params=shared,
+            )
+        return OneForwardOneBackwardSchedule(
+            stage_manager,
+            num_microbatches=microbatches,
+            microbatch_size=microbatch_size,
+            enable_metadata_cache=cache,
+            shared_params=shared,
+        )
 
     # ---- plugin interface --------------------------------------------------------------------
 
@@ -371,10 +397,10 @@ class HybridParallelPlugin(DPPluginBase):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Shard the model, build the schedule, wrap the optimizer in ``LowLevelZeroOptimizer``."""
         from colossal.shardformer import ShardConfig
 
@@ -399,24 +425,25 @@ class HybridParallelPlugin(DPPluginBase):
         module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
         self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
         if self.stage_manager is not None:
-            self.schedule = self._schedule(shared)
+            self.schedule = self._schedule(self.stage_manager, shared)
             mark_tied(self.schedule.shared_params.pairs())
         self._sum_partial_grads(module)
+        zero = None
         if optimizer is not None:
             names = first_names(optimizer, module)
-            optimizer = LowLevelZeroOptimizer(
+            zero = LowLevelZeroOptimizer(
                 optimizer, **dataclasses.asdict(self.zero_config),
                 dp_process_group=self.zero_group,
                 tp_process_group=self.tp_group if self.tp_size > 1 else None,
                 pp_process_group=self.pp_group if self.pp_size > 1 else None,
                 scaler_config=self.scaler_config, verbose=self.verbose,
             )
-            optimizer.set_param_names(names)
-            self._checkpoint_io.optimizers.append(optimizer)
+            zero.set_param_names(names)
+            self._checkpoint_io.optimizers.append(zero)
         wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
         if peft_model is not None:
             wrapped.lora_source = self._lora_source(peft_model, module, prefix)
-        return wrapped, optimizer, criterion, dataloader, lr_scheduler
+        return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler)
 
     @property
     def precision_dtype(self) -> torch.dtype:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import (
+    Boosted,
+    Criterion,
     DPPluginBase,
     materialize_model,
     warn_if_slow_precision,
@@ -36,7 +40,7 @@ from colossal.zero import LowLevelZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LowLevelZeroModel", "LowLevelZeroPlugin", "ZeroPluginConfig"]
+__all__ = ["LowLevelZeroModel", "LowLevelZeroPlugin", "ZeroOptimizerKwargs", "ZeroPluginConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,23 @@ class ZeroPluginConfig:
             raise ValueError(
                 f"reduce_bucket_size_in_m must be > 0, got {self.reduce_bucket_size_in_m}"
             )
+
+
+class ZeroOptimizerKwargs(TypedDict):
+    """The keyword arguments :class:`LowLevelZeroPlugin` gives ``LowLevelZeroOptimizer``."""
+
+    partition_grad: bool
+    dp_process_group: dist.ProcessGroup | None
+    scaler_config: ScalerConfig
+    clip_grad_norm: float
+    norm_type: float
+    reduce_bucket_size: int
+    communication_dtype: torch.dtype | None
+    overlap_communication: bool
+    overlap_allgather: bool
+    cpu_offload: bool
+    master_weights: bool
+    verbose: bool
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -163,7 +184,7 @@ class LowLevelZeroPlugin(DPPluginBase):
                 max_scale=max_scale,
             ),
         )
-        self.zero_kwargs = {
+        self.zero_kwargs: ZeroOptimizerKwargs = {
             "partition_grad": stage == 2,
             "dp_process_group": self.dp_group,
             "scaler_config": self.config.scaler_config,
@@ -193,20 +214,21 @@ class LowLevelZeroPlugin(DPPluginBase):
         self,
         model: nn.Module,
         optimizer: Optimizer | None = None,
-        criterion: Callable[..., Any] | None = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        criterion: Criterion | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> Boosted:
         """Cast and move the model; wrap the optimizer in ``LowLevelZeroOptimizer``."""
         materialize_model(model, optimizer)
         dtype = parse_precision(self.config.precision).dtype
-        model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
+        moved = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
+        zero = None
         if optimizer is not None:
-            names = group_param_names(optimizer, model)
-            optimizer = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
-            optimizer.set_param_names(names)
-            self._checkpoint_io.optimizers.append(optimizer)
-        return LowLevelZeroModel(model, dtype), optimizer, criterion, dataloader, lr_scheduler
+            names = group_param_names(optimizer, moved)
+            zero = LowLevelZeroOptimizer(optimizer, **self.zero_kwargs)
+            zero.set_param_names(names)
+            self._checkpoint_io.optimizers.append(zero)
+        return Boosted(LowLevelZeroModel(moved, dtype), zero, criterion, dataloader, lr_scheduler)
 
     def get_checkpoint_io(self) -> CheckpointIO:
         """Checkpoint IO that also refreshes the fp32 masters after a model load."""

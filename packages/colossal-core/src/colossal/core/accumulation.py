@@ -11,7 +11,7 @@ know whether the step's reductions are still to come.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = ["GradientAccumulator", "is_accumulating"]
 
@@ -24,7 +24,7 @@ class GradientAccumulator(Protocol):
     its settings (ZeRO stage 2 keeps no local gradients), naming what to change.
     """
 
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+    def no_sync(self) -> contextlib.AbstractContextManager[object]:
         """Context in which backward passes accumulate without communication."""
         ...
 
@@ -34,6 +34,6 @@ class GradientAccumulator(Protocol):
         ...
 
 
-def is_accumulating(obj: Any) -> bool:
+def is_accumulating(obj: object) -> bool:
     """``obj.accumulating`` for a :class:`GradientAccumulator`, False for anything else."""
     return isinstance(obj, GradientAccumulator) and bool(obj.accumulating)

@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from colossal.core.sharded import (
     shard_spec,
 )
 from colossal.core.sharded.gather import axis_ranks, this_rank
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +205,7 @@ def _grad_placements(
         if local is not None:
             from colossal.core.sharded.dtensor import dtensor_placements
 
-            out.append((local, dtensor_placements(grad), grad.shape))
+            out.append((local, dtensor_placements(cast("DTensor", grad)), grad.shape))
             continue
         spec = shard_spec(t)
         if spec is None:

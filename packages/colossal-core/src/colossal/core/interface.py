@@ -6,13 +6,14 @@ see one surface whatever parallelism sits underneath.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 from colossal.core.grad_norm import clip_grad_norm_, grad_norm
 
@@ -140,8 +141,8 @@ class OptimizerWrapper:
         return self.optim.defaults
 
     @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
+    def state(self) -> defaultdict[torch.Tensor, Any]:
+        """The wrapped optimizer's per-parameter state (a dict of named states per param)."""
         return self.optim.state
 
     def _params(self) -> Iterable[torch.Tensor]:
@@ -158,8 +159,8 @@ class OptimizerWrapper:
         """Back-propagate from ``tensor`` given its gradient ``grad`` (e.g. pipeline stages)."""
         torch.autograd.backward(tensor, grad, *args, **kwargs)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Update the parameters."""
+    def step(self, *args: Any, **kwargs: Any) -> float | None:
+        """Update the parameters; the closure's loss when one is given, else None."""
         return self.optim.step(*args, **kwargs)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
@@ -188,11 +189,11 @@ class OptimizerWrapper:
             [p for p in self._params() if p.grad is not None], clip_value
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The wrapped optimizer's state dict."""
         return self.optim.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Restore the wrapped optimizer's state."""
         self.optim.load_state_dict(state_dict)
 

@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ def launch(
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     *,
-    config: Any = None,
+    config: object = None,
 ) -> None:
     """Create the default process group and seed every generator.
 
@@ -217,15 +217,18 @@ def _destroy_on_clean_exit() -> None:
 
 _config_warned = False
 
+LegacyConfig = Mapping[str, object] | str | os.PathLike[str]
+"""ColossalAI's old ``config`` argument: a dict, or the path of a config file (ignored)."""
 
-def _is_legacy_config(value: Any) -> bool:
+
+def _is_legacy_config(value: object) -> bool:
     """A ColossalAI config given where a backend or host is expected: a mapping or a path."""
     return isinstance(value, (Mapping, os.PathLike)) or (
         isinstance(value, str) and value.endswith(".py")
     )
 
 
-def _warn_config(config: Any, where: str) -> None:
+def _warn_config(config: object, where: str) -> None:
     """ColossalAI's ``config`` argument is accepted and ignored, with one warning per process."""
     global _config_warned
     if config is None or _config_warned:
@@ -266,13 +269,26 @@ def _read_env(names: Mapping[str, str], launcher: str, hint: str) -> dict[str, A
     return values
 
 
+def _unshift(
+    host: str | LegacyConfig, port: int | str, backend: str | int | None
+) -> tuple[str, int | str, str | None, LegacyConfig | None]:
+    """``(host, port, backend, config)`` of a launcher called with ``host, port[, backend]``.
+
+    ColossalAI's old form passed ``config, host, port``: a config where the host belongs
+    shifts the arguments back by one.
+    """
+    if _is_legacy_config(host):
+        return cast(str, port), cast("int | str", backend), None, host
+    return cast(str, host), port, cast("str | None", backend), None
+
+
 def launch_from_torch(
-    backend: Any = None,
+    backend: str | LegacyConfig | None = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     *,
-    config: Any = None,
+    config: object = None,
 ) -> None:
     """:func:`launch` with rank, world size and address set by torchrun or ``colossal run``.
 
@@ -291,26 +307,53 @@ def launch_from_torch(
     _warn_config(config, "launch_from_torch")
     hint = "start the script with `torchrun` or `colossal run`, or call launch(...)"
     env = _read_env(names, "launch_from_torch", hint)
-    launch(**env, backend=backend, seed=seed, verbose=verbose, timeout=timeout)
+    name = cast("str | None", backend)  # a legacy config in its place was moved out above
+    launch(**env, backend=name, seed=seed, verbose=verbose, timeout=timeout)
 
 
+@overload
 def launch_from_slurm(
-    host: Any,
-    port: Any,
+    host: str,
+    port: int | str,
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     *,
-    config: Any = None,
+    config: object = None,
+) -> None: ...
+
+
+@overload
+def launch_from_slurm(
+    config: LegacyConfig,
+    host: str,
+    port: int | str,
+    /,
+    *,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None: ...
+
+
+def launch_from_slurm(
+    host: str | LegacyConfig,
+    port: int | str,
+    backend: str | int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: object = None,
 ) -> None:
     """:func:`launch` with rank and world size from SLURM (``srun``).
 
     ``config`` is ColossalAI's old argument: accepted (also as the first positional argument)
     and ignored with a ``DeprecationWarning``.
     """
-    if _is_legacy_config(host):  # ColossalAI's old launch_from_slurm(config, host, port, ...)
-        host, port, backend, config = port, backend, None, host
+    addr, port, name, legacy = _unshift(host, port, backend)
+    config = legacy if legacy is not None else config
     _warn_config(config, "launch_from_slurm")
     names = {"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS"}
     if "SLURM_NPROCS" not in os.environ and "SLURM_NTASKS" in os.environ:
@@ -318,28 +361,52 @@ def launch_from_slurm(
     if "SLURM_LOCALID" in os.environ:
         names["local_rank"] = "SLURM_LOCALID"
     env = _read_env(names, "launch_from_slurm", "start the script with `srun`")
-    launch(
-        **env, host=host, port=port, backend=backend, seed=seed, verbose=verbose, timeout=timeout
-    )
+    launch(**env, host=addr, port=port, backend=name, seed=seed, verbose=verbose, timeout=timeout)
 
 
+@overload
 def launch_from_openmpi(
-    host: Any,
-    port: Any,
+    host: str,
+    port: int | str,
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     *,
-    config: Any = None,
+    config: object = None,
+) -> None: ...
+
+
+@overload
+def launch_from_openmpi(
+    config: LegacyConfig,
+    host: str,
+    port: int | str,
+    /,
+    *,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> None: ...
+
+
+def launch_from_openmpi(
+    host: str | LegacyConfig,
+    port: int | str,
+    backend: str | int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    *,
+    config: object = None,
 ) -> None:
     """:func:`launch` with rank, local rank and world size from OpenMPI (``mpirun``).
 
     ``config`` is ColossalAI's old argument: accepted (also as the first positional argument)
     and ignored with a ``DeprecationWarning``.
     """
-    if _is_legacy_config(host):  # ColossalAI's old launch_from_openmpi(config, host, port, ...)
-        host, port, backend, config = port, backend, None, host
+    addr, port, name, legacy = _unshift(host, port, backend)
+    config = legacy if legacy is not None else config
     _warn_config(config, "launch_from_openmpi")
     names = {
         "rank": "OMPI_COMM_WORLD_RANK",
@@ -347,9 +414,7 @@ def launch_from_openmpi(
         "world_size": "OMPI_COMM_WORLD_SIZE",
     }
     env = _read_env(names, "launch_from_openmpi", "start the script with `mpirun`")
-    launch(
-        **env, host=host, port=port, backend=backend, seed=seed, verbose=verbose, timeout=timeout
-    )
+    launch(**env, host=addr, port=port, backend=name, seed=seed, verbose=verbose, timeout=timeout)
 
 
 def default_timeout() -> timedelta:

@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from colossal.core.comm.errors import comm_guard, require_initialized
 from colossal.core.comm.tracker import GroupKey, record
+
+_T = TypeVar("_T")
 
 
 def group_ranks(group: ProcessGroup | None = None) -> GroupKey:
@@ -43,7 +45,11 @@ class CommWork:
     """An asynchronous operation's handle whose ``wait`` reports failures like the sync form."""
 
     def __init__(
-        self, work: Any, kind: str, group: GroupKey, on_done: Callable[[], None] | None = None
+        self,
+        work: dist.Work,
+        kind: str,
+        group: GroupKey,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self.kind = kind
@@ -63,8 +69,8 @@ class CommWork:
         """Whether the operation has finished."""
         return self._work.is_completed()
 
-    def get_future(self) -> Any:
-        """The underlying ``torch.futures.Future``."""
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """The underlying future (its value: the operation's tensors)."""
         return self._work.get_future()
 
 
@@ -301,7 +307,7 @@ INLINE_OBJECT_BYTES = 4088
 _LENGTH = 8  # bytes of the length prefix of each rank's slot
 
 
-def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+def all_gather_object(obj: _T, group: ProcessGroup | None = None) -> list[_T]:
     """Gather a picklable object from every rank of ``group`` (rank order).
 
     One all-gather of fixed ``4 KiB`` slots (a length and the pickle) when every rank's pickle
@@ -351,8 +357,11 @@ def _bytes_of(tensor: torch.Tensor, n: int) -> bytes:
     return ctypes.string_at(tensor.data_ptr(), n) if n else b""
 
 
-def broadcast_object(obj: Any, src: int, group: ProcessGroup | None = None) -> Any:
-    """Broadcast a picklable object from global rank ``src``; every rank returns it."""
+def broadcast_object(obj: _T, src: int, group: ProcessGroup | None = None) -> _T:
+    """Broadcast a picklable object from global rank ``src``; every rank returns it.
+
+    Every rank passes an object of the type ``src`` sends (a placeholder off ``src``).
+    """
     key = group_ranks(group)
     box = [obj]
     record(

@@ -15,21 +15,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
+
+if TYPE_CHECKING:
+    from colossal.core.interface import OptimizerWrapper
 
 __all__ = ["adopt_optimizer_state", "adopt_tensors"]
 
 
-def adopt_tensors(current: Mapping[str, Any] | None, loaded: Mapping[str, Any]) -> dict[str, Any]:
+def adopt_tensors(
+    current: Mapping[str, object] | None, loaded: Mapping[str, object]
+) -> dict[str, object]:
     """``loaded`` with its tensors in owned memory (other values passed through unchanged).
 
     A tensor is copied into ``current``'s tensor of the same key when that has the same
     shape, dtype and device, else cloned (contiguous).
     """
     current = current or {}
-    adopted: dict[str, Any] = {}
+    adopted: dict[str, object] = {}
     for key, value in loaded.items():
         if not isinstance(value, torch.Tensor):
             adopted[key] = value
@@ -49,7 +56,9 @@ def adopt_tensors(current: Mapping[str, Any] | None, loaded: Mapping[str, Any]) 
     return adopted
 
 
-def adopt_optimizer_state(optimizer: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def adopt_optimizer_state(
+    optimizer: Optimizer | OptimizerWrapper, state_dict: StateDict
+) -> StateDict:
     """``state_dict`` with its tensors in memory ``optimizer`` owns, for its ``load_state_dict``.
 
     ``state_dict`` has torch's layout (``state`` by parameter index, ``param_groups``).

@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from types import TracebackType
-from typing import Any, BinaryIO
+from types import EllipsisType, TracebackType
+from typing import BinaryIO
 
 import aiofiles
 import torch
@@ -33,8 +33,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_READ_CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes per read call of the async reader."""
 
-Index = Any
-"""What ``tensor[...]`` accepts: an int, a slice, ``...``, or a tuple of those."""
+IndexItem = int | slice | EllipsisType | None
+"""One entry of a basic index: an int, a slice, ``...``, or ``None`` (a new axis)."""
+
+Index = IndexItem | tuple[IndexItem, ...]
+"""A basic index as ``tensor[...]`` takes it: one entry, or a tuple of entries."""
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
@@ -242,7 +245,9 @@ def _truncated(path: str, name: str) -> ValueError:
     return ValueError(f"{path}: unexpected end of file while reading {name!r}; file truncated?")
 
 
-def _row_window(info: TensorInfo, index: tuple[Any, ...]) -> tuple[int, int, tuple[Any, ...]]:
+def _row_window(
+    info: TensorInfo, index: tuple[IndexItem, ...]
+) -> tuple[int, int, tuple[IndexItem, ...]]:
     """Rows ``[low, high)`` of dim 0 that ``index`` touches, and the index for those rows."""
     if not info.shape:
         return 0, 0, index

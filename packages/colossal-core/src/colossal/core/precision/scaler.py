@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -80,10 +80,10 @@ class ScalerConfig:
 
 
 def scaler_config_from(
-    settings: Mapping[str, Any],
+    settings: Mapping[str, object],
     config: ScalerConfig | None = None,
     *,
-    defaults: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, object] | None = None,
     owner: str = "this constructor",
 ) -> ScalerConfig:
     """The one :class:`ScalerConfig` of a constructor given keyword settings or a config.
@@ -103,8 +103,8 @@ def scaler_config_from(
             that differ from their defaults.
         ValueError: Invalid settings.
     """
-    if config is None:
-        return ScalerConfig(**settings)
+    if config is None:  # ScalerConfig.__post_init__ validates the values' types
+        return ScalerConfig(**cast(Mapping[str, Any], settings))
     if not isinstance(config, ScalerConfig):
         raise TypeError(
             f"{owner}: scaler_config must be a ScalerConfig, got {type(config).__name__}"
@@ -222,8 +222,8 @@ class DynamicGradScaler:
             self._hysteresis_step = 0
             self._scale = min(self._scale * cfg.growth_factor, cfg.max_scale)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Scale, step counters and settings (plain Python values, JSON-friendly)."""
+    def state_dict(self) -> dict[str, float]:
+        """Scale, step counters and settings (plain Python numbers, JSON-friendly)."""
         return {
             "scale": self._scale,
             "growth_step": self._growth_step,
@@ -231,7 +231,7 @@ class DynamicGradScaler:
             **asdict(self.config),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         """Restore what :meth:`state_dict` returned (settings included).
 
         Raises:

@@ -7,7 +7,7 @@ it. Mesh dimensions apply in order, as torch lays out a tensor sharded twice alo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -15,10 +15,13 @@ from colossal.core.sharded.parts import Block
 from colossal.core.sharded.placement import Placement, Replicate
 from colossal.core.sharded.protocol import Placed, ShardedTensor
 
+if TYPE_CHECKING:  # imported where used: torch.distributed.tensor loads on first use
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["DTensorShard", "dtensor_placements"]
 
 
-def dtensor_placements(tensor: Any, coordinate: tuple[int, ...] | None = None
+def dtensor_placements(tensor: DTensor, coordinate: tuple[int, ...] | None = None
                        ) -> tuple[Placement, ...]:
     """The placements of a ``DTensor`` (this rank's, or those of mesh ``coordinate``).
 
@@ -30,7 +33,8 @@ def dtensor_placements(tensor: Any, coordinate: tuple[int, ...] | None = None
 
     mesh = tensor.device_mesh
     names = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
-    coords = coordinate if coordinate is not None else tuple(mesh.get_coordinate())
+    # get_coordinate() is None only off the mesh, where no rank holds a part of the DTensor
+    coords = coordinate if coordinate is not None else tuple(cast(list[int], mesh.get_coordinate()))
     above = tuple(tensor.shape)
     out: list[Placement] = []
     for dim, placement in enumerate(tensor.placements):
@@ -57,14 +61,16 @@ class DTensorShard(Placed):
     """A ``DTensor`` as a sharded tensor: its mesh dimensions are its axes.
 
     Args:
-        tensor: The DTensor (``shape`` and ``dtype`` are its global ones).
+        tensor: The DTensor (``shape`` and ``dtype`` are its global ones). Typed ``Any`` until
+            the meta-package's ``checkpoint_io.sharded`` passes it as a ``DTensor`` (today an
+            ``isinstance`` against a ``type`` narrows it to ``object`` only).
 
     Raises:
         NotImplementedError: Partial or strided placements.
     """
 
     def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
+        self.tensor: DTensor = tensor
         self._placements = dtensor_placements(tensor)
 
     @property
@@ -93,7 +99,7 @@ class DTensorShard(Placed):
         full = super().gather(dst)
         return full.cpu() if full is not None else None
 
-    def wrap(self, local: torch.Tensor) -> Any:
+    def wrap(self, local: torch.Tensor) -> DTensor:
         """A DTensor laid out like this one, holding ``local`` (this rank's part)."""
         from torch.distributed.tensor import DTensor
 

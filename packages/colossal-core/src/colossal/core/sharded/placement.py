@@ -120,7 +120,7 @@ class Placement:
             return (self.part.numel,)
         return tuple(self.part.sizes)
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[str, AxisPart, int, tuple[int, ...] | None]:
         """A hashable description (axis, part, group identity, local shape)."""
         return (self.axis, self.part, id(self.group), self.local_shape)
 

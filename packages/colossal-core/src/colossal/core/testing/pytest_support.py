@@ -12,7 +12,7 @@ from colossal.core.testing.spawn import spawn
 
 def distributed_test(
     *world_sizes: int, timeout: float = 300.0, comm_timeout: float = 120.0
-) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+) -> Callable[[Callable[..., object]], Callable[..., None]]:
     """Make a per-rank function a pytest test run once per world size in spawned processes.
 
     The decorated function takes ``rank, world_size`` and then any pytest parameters or
@@ -35,7 +35,7 @@ def distributed_test(
     if not world_sizes or any(not isinstance(w, int) or w < 1 for w in world_sizes):
         raise ValueError(f"distributed_test needs positive int world sizes, got {world_sizes}")
 
-    def decorator(fn: Callable[..., Any]) -> Callable[..., None]:
+    def decorator(fn: Callable[..., object]) -> Callable[..., None]:
         import pytest
 
         params = list(inspect.signature(fn).parameters.values())

@@ -10,12 +10,14 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from colossal.core.launch import destroy, launch
+
+_R = TypeVar("_R")
 
 _PORT_IN_USE_MARKERS = ("EADDRINUSE", "address already in use", "Address already in use")
 
@@ -197,15 +199,15 @@ def _check_dead(
 
 
 def spawn(
-    fn: Callable[..., Any],
+    fn: Callable[..., _R],
     world_size: int,
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
+    args: Sequence[object] = (),
+    kwargs: Mapping[str, object] | None = None,
     *,
     timeout: float = 300.0,
     comm_timeout: float = 120.0,
     backend: str = "gloo",
-) -> list[Any]:
+) -> list[_R]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
 
     Each process gets ``torch.set_num_threads(1)``, the torchrun environment variables and a

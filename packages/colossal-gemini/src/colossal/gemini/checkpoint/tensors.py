@@ -246,18 +246,18 @@ def optimizer_shards(
             continue
         for p in chunk.params:
             name = chunk.infos[p].name
-            entry = {}
+            states: dict[str, object] = {}
             for key, kind in sorted(kinds.get(name, {}).items()):
                 if kind[0] == "elementwise":
                     shared = pieces.setdefault((id(chunk), key), {})
-                    entry[key] = ChunkStateTensor(chunk, p, key, getattr(torch, kind[1]), shared,
-                                                  gatherer, position, manager)
+                    states[key] = ChunkStateTensor(chunk, p, key, getattr(torch, kind[1]), shared,
+                                                   gatherer, position, manager)
                 elif kind[0] == "tensor":
-                    entry[key] = torch.tensor(kind[2], dtype=getattr(torch, kind[1]))
+                    states[key] = torch.tensor(kind[2], dtype=getattr(torch, kind[1]))
                 else:
-                    entry[key] = kind[1]
-            if entry:
-                out[name] = entry
+                    states[key] = kind[1]
+            if states:
+                out[name] = states
     return out
 
 

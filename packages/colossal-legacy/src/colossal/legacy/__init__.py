@@ -10,6 +10,7 @@ with hooks.
 from colossal.legacy.__about__ import __version__
 from colossal.legacy.config import Config
 from colossal.legacy.context import ParallelMode
+from colossal.legacy.initialize import initialize
 from colossal.legacy.launch import (
     get_default_parser,
     init_context,
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "get_default_parser",
     "init_context",
+    "initialize",
     "launch",
     "launch_from_openmpi",
     "launch_from_slurm",

@@ -24,11 +24,13 @@ from colossal.booster.mixed_precision import (
     FP16TorchMixedPrecision,
     MixedPrecision,
 )
-from colossal.booster.plugin import DPPluginBase, Plugin
+from colossal.booster.plugin import Boosted, Criterion, DPPluginBase, Plugin
 
 __all__ = [
     "BF16MixedPrecision",
+    "Boosted",
     "Booster",
+    "Criterion",
     "DPPluginBase",
     "FP8MixedPrecision",
     "FP16ApexMixedPrecision",

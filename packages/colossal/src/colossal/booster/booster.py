@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from colossal.booster.plugin.base import Boosted, Criterion, Plugin
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.names import group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper, get_accelerator
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,8 @@ class Booster:
         else:
             self.checkpoint_io = CheckpointIO()
         self._boosted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._fenced: weakref.WeakSet[Any] = weakref.WeakSet()  # async saves fenced by a step
+        # The boosted models and optimizers whose async saves are fenced by an optimizer step.
+        self._fenced: weakref.WeakSet[nn.Module | OptimizerWrapper] = weakref.WeakSet()
 
     def boost(
         self,
@@ -181,7 +185,7 @@ class Booster:
         self,
         data_iter: Iterator[Any],
         model: nn.Module,
-        criterion: Callable[..., Any],
+        criterion: Criterion,
         optimizer: OptimizerWrapper | None = None,
         return_loss: bool = True,
         return_outputs: bool = False,
@@ -203,7 +207,7 @@ class Booster:
 
     def no_sync(
         self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None
-    ) -> Any:
+    ) -> contextlib.AbstractContextManager[None]:
         """Context for accumulating gradients without communication.
 
         Raises:
@@ -216,15 +220,15 @@ class Booster:
                 f"{type(self.plugin).__name__} does not support no_sync(); call "
                 "booster.backward for every micro-batch instead"
             )
-        return self.plugin.no_sync(model, optimizer)  # type: ignore[arg-type]
+        return self.plugin.no_sync(model, optimizer)
 
     # ---- LoRA ------------------------------------------------------------------------------
     def enable_lora(
         self,
         model: nn.Module,
         pretrained_dir: str | None = None,
-        lora_config: Any = None,
-        bnb_quantization_config: Any = None,
+        lora_config: PeftConfig | None = None,
+        bnb_quantization_config: object = None,
         quantize: bool = False,
     ) -> nn.Module:
         """Add LoRA adapters (``peft``) to ``model``; call before :meth:`boost`.
@@ -376,7 +380,7 @@ class Booster:
         """
         self.checkpoint_io.load_optimizer(optimizer, checkpoint)
 
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """Save the lr scheduler's state (collective).
 
         ``checkpoint`` is a JSON file, or a directory (e.g. the model's) to write
@@ -384,7 +388,7 @@ class Booster:
         """
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def load_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """Load the lr scheduler's state (a JSON file, or a directory holding one)."""
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
 

@@ -117,10 +117,11 @@ class MixedPrecision:
         object.__setattr__(self, "precision", parsed.value)
         object.__setattr__(self, "scaler_config", config)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> float:
         # The scaler settings read as before (``mp.initial_scale``), from the one config.
         if name in _SCALER_FIELDS:
-            return getattr(object.__getattribute__(self, "scaler_config"), name)
+            value: float = getattr(object.__getattribute__(self, "scaler_config"), name)
+            return value
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
@@ -379,8 +380,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         """The global norm of the gradients as they are (still carrying the loss scale)."""
         return float(grad_norm(list(self._params()), norm_type))
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Unscale, check overflow on every rank, clip if asked, and step (or skip)."""
+    def step(self, *args: Any, **kwargs: Any) -> float | None:
+        """Unscale, check overflow on every rank, clip if asked, and step (or skip).
+
+        Returns:
+            What the optimizer's ``step`` returns (the closure's loss, if one is given);
+            None for a skipped step.
+        """
         grads = self._grads()
         if self.scaler is not None:
             scale = self.scaler.scale

@@ -10,7 +10,10 @@ written by different ranks without reading them again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _zlib: Any
 try:
@@ -25,9 +28,10 @@ except ImportError:  # pragma: no cover - exercised where zlib-ng is not install
 __all__ = ["crc32", "crc32_combine"]
 
 
-def crc32(data: Any, value: int = 0) -> int:
+def crc32(data: Buffer, value: int = 0) -> int:
     """The CRC-32 of the bytes of ``data`` (a bytes-like object), continuing from ``value``."""
-    return _zlib.crc32(data, value)
+    crc: int = _zlib.crc32(data, value)
+    return crc
 
 
 _POLY = 0xEDB88320  # CRC-32 (reflected)

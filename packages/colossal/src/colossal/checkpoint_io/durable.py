@@ -112,6 +112,6 @@ def write_text(path: str, text: str) -> None:
         raise
 
 
-def write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: object) -> None:
     """Write ``obj`` as indented JSON to ``path``, as :func:`write_text`."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=False))

@@ -200,7 +200,7 @@ class StateDictReader(TensorReader):
             raise KeyError(f"tensor {name!r} is not in the checkpoint {self.directory}")
         return self._tensors[name]
 
-    def read(self, name: str, index: Any = None) -> torch.Tensor:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """``tensor[index]`` (the whole tensor when ``index`` is None)."""
         tensor = self._tensor(name)
         return tensor if index is None else tensor[index]
@@ -221,7 +221,7 @@ class _RenamedReader(TensorReader):
         super().__init__(directory, {renamed.get(k, k): f for k, f in weight_map.items()})
         self._stored = {renamed.get(k, k): k for k in weight_map}
 
-    def read(self, name: str, index: Any = None) -> torch.Tensor:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """``tensor[index]`` (the whole tensor when ``index`` is None), read from disk."""
         handle, key = self._open(name), self._stored[name]
         return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]

@@ -45,6 +45,7 @@ from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.checksum import crc32, crc32_combine
 from colossal.checkpoint_io.commit import commit_index, referenced_files
 from colossal.checkpoint_io.index import CheckpointError
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.core import Block, FlatRange
 from colossal.core.comm import all_gather_object
 from colossal.core.io import TensorInfo, tensor_memoryview
@@ -75,13 +76,15 @@ WRITEBACK_MIN_BYTES = 1024 * 1024
 a bias) are left to the final ``fsync``, as neighbours in one page would each write it."""
 
 # ---- layout ---------------------------------------------------------------------------------
-def stream_order(tensors: Mapping[str, Any], names: Sequence[str]) -> list[str]:
+def stream_order(tensors: Mapping[str, TensorLike], names: Sequence[str]) -> list[str]:
     """``names`` in file order: by decreasing element size, then in the given order."""
     order = sorted(range(len(names)), key=lambda i: (-tensors[names[i]].dtype.itemsize, i))
     return [names[i] for i in order]
 
 
-def file_layout(entries: Sequence[tuple[str, Any, torch.dtype]]) -> tuple[bytes, list[TensorInfo]]:
+def file_layout(
+    entries: Sequence[tuple[str, Sequence[int], torch.dtype]],
+) -> tuple[bytes, list[TensorInfo]]:
     """The header bytes (length prefix included) and the infos of ``(name, shape, dtype)``.
 
     The tensors follow each other in the given order, without gaps.
@@ -96,7 +99,7 @@ def file_layout(entries: Sequence[tuple[str, Any, torch.dtype]]) -> tuple[bytes,
 
 
 # ---- local parts ----------------------------------------------------------------------------
-def local_part(value: Any) -> tuple[FlatRange, torch.Tensor, bool] | None:
+def local_part(value: TensorLike) -> tuple[FlatRange, torch.Tensor, bool] | None:
     """``(part, its elements 1-D, replicated)`` of a value, None when it cannot be written so.
 
     A ``torch.Tensor`` (or a sharded tensor whose part is the whole tensor as a ``Block``) is
@@ -117,7 +120,7 @@ def local_part(value: Any) -> tuple[FlatRange, torch.Tensor, bool] | None:
 _EMPTY = torch.empty(0)
 
 
-def supports_in_place(tensors: Mapping[str, Any]) -> bool:
+def supports_in_place(tensors: Mapping[str, TensorLike]) -> bool:
     """Whether every value is a tensor, a whole ``Block`` part or a ``FlatRange`` part."""
     for value in tensors.values():
         part = value if isinstance(value, torch.Tensor) else getattr(value, "part", None)
@@ -274,7 +277,7 @@ def _agree(value: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]
 
 def _write_own(
     path: str,
-    tensors: Mapping[str, Any],
+    tensors: Mapping[str, TensorLike],
     plan: Sequence[tuple[str, int, list[TensorInfo]]],
     token: str,
     writers: Mapping[str, int],
@@ -356,7 +359,7 @@ def _coalesce(written: Sequence[tuple[str, int, int, Sequence[tuple[int, int]]]]
 
 
 def layout_files(
-    tensors: Mapping[str, Any], files: Sequence[str], shards: Sequence[Sequence[str]]
+    tensors: Mapping[str, TensorLike], files: Sequence[str], shards: Sequence[Sequence[str]]
 ) -> tuple[list[tuple[str, int, list[TensorInfo]]], dict[str, tuple[bytes, int]]]:
     """The plan ``(file, data start, infos)`` and the layout ``file -> (header, size)``.
 
@@ -373,7 +376,10 @@ def layout_files(
 
 
 def create_files(
-    path: str, tensors: Mapping[str, Any], files: Sequence[str], shards: Sequence[Sequence[str]]
+    path: str,
+    tensors: Mapping[str, TensorLike],
+    files: Sequence[str],
+    shards: Sequence[Sequence[str]],
 ) -> str:
     """Rank 0's first step: create the temporary files at full size; returns their token.
 
@@ -394,7 +400,7 @@ def create_files(
 
 
 def save_in_place(
-    tensors: Mapping[str, Any],
+    tensors: Mapping[str, TensorLike],
     path: str,
     files: Sequence[str],
     shards: Sequence[Sequence[str]],

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from colossal.checkpoint_io.index import CheckpointError
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.core import ShardedTensor
 
 __all__ = ["named_to_indexed", "indexed_to_named"]
@@ -36,7 +37,7 @@ def _jsonable(value: Any) -> Any:
 
 def indexed_to_named(
     state_dict: dict[str, Any], names: Sequence[str]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, TensorLike], dict[str, Any]]:
     """Split a torch-style optimizer state dict into named tensors and JSON metadata.
 
     Args:
@@ -50,7 +51,7 @@ def indexed_to_named(
         (parameters by name, hyper-parameters), ``scalar_states``, ``steps`` and
         ``loss_scaler``.
     """
-    tensors: dict[str, Any] = {}
+    tensors: dict[str, TensorLike] = {}
     scalars: dict[str, dict[str, Any]] = {}
     steps = 0
     for index, entries in state_dict.get("state", {}).items():
@@ -83,7 +84,7 @@ def named_to_indexed(
     meta: dict[str, Any],
     weight_map: dict[str, str],
     names: Sequence[str],
-    read: Callable[[str, str], Any],
+    read: Callable[[str, str], object],
     keep: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Rebuild a torch-style state dict for an optimizer whose parameters are ``names``.

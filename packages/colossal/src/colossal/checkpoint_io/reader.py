@@ -34,7 +34,7 @@ class TensorReader:
             self._files[file] = safe_open(os.path.join(self.directory, file), framework="pt")
         return self._files[file]
 
-    def read(self, name: str, index: Any = None) -> torch.Tensor:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """``tensor[index]`` (the whole tensor when ``index`` is None), read from disk."""
         handle = self._open(name)
         if index is None:

@@ -49,6 +49,7 @@ from colossal.checkpoint_io.inplace import (
     save_in_place,
     supports_in_place,
 )
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.checkpoint_io.stream import Streamed, stream_part
 from colossal.core.comm import all_gather_object, barrier
 from colossal.core.io import AsyncTensorWriter, WriteHandle
@@ -91,14 +92,14 @@ class ShardedSaver:
 
     def save(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, TensorLike],
         path: str,
         prefix: str,
         index_name: str,
         size_per_shard_mb: float,
         extra: Mapping[str, Any] | None = None,
         use_async: bool = False,
-        gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
+        gather: Callable[[TensorLike, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
         extra_files: Mapping[str, str] | None = None,
         stream: bool = False,
@@ -195,12 +196,12 @@ class ShardedSaver:
 
     def _write_part(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, TensorLike],
         names: list[str],
         writer: int,
         rank: int,
         target: str,
-        gather: Callable[[torch.Tensor, int], torch.Tensor | None],
+        gather: Callable[[TensorLike, int], torch.Tensor | None],
         background: Collection[str],
         use_async: bool,
     ) -> tuple[WriteHandle | None, dict[str, torch.Tensor]]:
@@ -227,10 +228,10 @@ class ShardedSaver:
 
     def save_file(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, TensorLike],
         path: str,
         use_async: bool = False,
-        gather: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None,
+        gather: Callable[[TensorLike, int], torch.Tensor | None] | None = None,
         background: Collection[str] = (),
         stream: bool = False,
         in_place: bool = False,
@@ -437,7 +438,12 @@ def _check_shared_directory(
         )
 
 
-def _identity(tensor: torch.Tensor, dst: int) -> torch.Tensor:
+def _identity(tensor: TensorLike, dst: int) -> torch.Tensor:
+    """The default ``gather``: plain tensors are written as they are."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"a {type(tensor).__name__} (a sharded tensor) needs a gather function to be saved"
+        )
     return tensor
 
 

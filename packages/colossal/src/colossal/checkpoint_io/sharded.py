@@ -28,7 +28,18 @@ from colossal.core import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTensorShard", "as_sharded", "is_sharded", "marked_like", "marked_state_dict"]
+__all__ = [
+    "DTensorShard",
+    "TensorLike",
+    "as_sharded",
+    "is_sharded",
+    "marked_like",
+    "marked_state_dict",
+]
+
+TensorLike = torch.Tensor | ShardedTensor
+"""A tensor as checkpoint IO receives it: a plain (or marked, or DTensor) tensor, or a
+:class:`colossal.core.ShardedTensor` (see :func:`as_sharded`)."""
 
 
 def _dtensor_type() -> type | None:
@@ -39,7 +50,7 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-def is_sharded(value: Any) -> bool:
+def is_sharded(value: object) -> bool:
     """Whether ``value`` is a tensor of which a rank may hold only a part (not a plain one)."""
     if isinstance(value, ShardedTensor):
         return True
@@ -49,7 +60,7 @@ def is_sharded(value: Any) -> bool:
     return dtensor is not None and isinstance(value, dtensor)
 
 
-def as_sharded(value: Any) -> ShardedTensor:
+def as_sharded(value: object) -> ShardedTensor:
     """``value`` as a :class:`colossal.core.ShardedTensor`.
 
     Raises:

@@ -12,8 +12,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,6 +20,7 @@ from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.checksum import crc32
 from colossal.checkpoint_io.index import CheckpointError
 from colossal.checkpoint_io.inplace import file_layout, stream_order
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.core.io import tensor_memoryview
 
 __all__ = ["StreamFile", "Streamed", "stream_part"]
@@ -38,12 +38,12 @@ class Streamed:
 
 
 def stream_part(
-    tensors: Mapping[str, Any],
+    tensors: Mapping[str, TensorLike],
     names: list[str],
     writer: int,
     rank: int,
     target: str,
-    gather: Callable[[Any, int], torch.Tensor | None],
+    gather: Callable[[TensorLike, int], torch.Tensor | None],
 ) -> Streamed | None:
     """Gather ``names`` for ``writer`` (every rank, one order); the writer streams the file.
 
@@ -78,7 +78,9 @@ class StreamFile:
     so nothing incomplete ever carries the final name.
     """
 
-    def __init__(self, target: str, entries: list[tuple[str, Any, torch.dtype]]) -> None:
+    def __init__(
+        self, target: str, entries: list[tuple[str, Sequence[int], torch.dtype]]
+    ) -> None:
         header, infos = file_layout(entries)
         self.target, self._infos, self._next = target, infos, 0
         directory = os.path.dirname(os.path.abspath(target))

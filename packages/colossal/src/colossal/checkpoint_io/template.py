@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.checkpoint_io import durable
 from colossal.checkpoint_io.commit import resolve_directory
@@ -29,6 +30,7 @@ from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.saver import ShardedSaver, run_on_rank0
 from colossal.checkpoint_io.sharded import (
     DTensorShard,
+    TensorLike,
     as_sharded,
     is_sharded,
     marked_state_dict,
@@ -127,7 +129,7 @@ class CheckpointIO:
         return dist.get_global_rank(self.group, rank)
 
     def load_model_state(
-        self, model: nn.Module, targets: dict[str, Any], reader: TensorReader
+        self, model: nn.Module, targets: Mapping[str, TensorLike], reader: TensorReader
     ) -> None:
         """Read into each target (name -> this rank's tensor) only the part this rank holds."""
         with torch.no_grad():
@@ -178,7 +180,7 @@ class CheckpointIO:
             )
         return {i: as_sharded(p) for i, p in enumerate(params)}
 
-    def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> Any:
+    def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> TensorLike:
         """What the optimizer's ``load_state_dict`` takes for a state read as ``local``.
 
         ``local`` holds the elements ``layout.part`` describes; a DTensor's state is rebuilt
@@ -417,7 +419,7 @@ class CheckpointIO:
         return {names[i]: tuple(layout.shape) for i, layout in layouts.items()}
 
     # ---- lr scheduler ----------------------------------------------------------------------
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """Save the scheduler's state as JSON (rank 0 writes; collective).
 
         ``checkpoint`` is the JSON file, or a directory (e.g. the one holding the model and
@@ -432,7 +434,7 @@ class CheckpointIO:
 
         run_on_rank0(write, self.group)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def load_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """Load a scheduler state saved by :meth:`save_lr_scheduler` (file or directory)."""
         import json
 

@@ -59,7 +59,7 @@ class _Info:
     chain: list[tuple[Any, tuple[Any, ...], dict[str, Any]]]
 
 
-def is_lazy(tensor: Any) -> bool:
+def is_lazy(tensor: object) -> bool:
     """Whether ``tensor`` was created under a :class:`LazyInitContext` and not materialized."""
     return isinstance(tensor, torch.Tensor) and tensor.is_meta and hasattr(tensor, _ATTR)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from colossal.booster.plugin.base import DPPluginBase, Plugin
+from colossal.booster.plugin.base import Boosted, Criterion, DPPluginBase, Plugin
 
 __all__ = [
+    "Boosted",
+    "Criterion",
     "DPPluginBase",
     "GeminiPlugin",
     "HybridParallelPlugin",

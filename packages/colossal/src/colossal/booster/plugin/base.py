@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import torch
@@ -163,9 +163,13 @@ class Plugin(abc.ABC):
         """The checkpoint IO for models and optimizers boosted by this plugin."""
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Context in which backward passes accumulate gradients without communication.
+
+        ``model`` and ``optimizer`` are the boosted ones; a plugin needs only the one it
+        accumulates in (the model under DDP, FSDP and Gemini; the optimizer under ZeRO and
+        the hybrid plugin).
 
         Raises:
             NotImplementedError: The plugin cannot skip gradient synchronisation.
@@ -175,8 +179,27 @@ class Plugin(abc.ABC):
             "micro-batch instead"
         )
 
-    def execute_pipeline(self, *args: Any, **kwargs: Any) -> Any:
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Criterion,
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
         """Run one pipelined step (only for plugins with pipeline parallelism).
+
+        Args:
+            data_iter: Yields the batches (any structure the model and criterion take).
+            model: The boosted model.
+            criterion: ``criterion(outputs, batch)`` gives the loss.
+            optimizer: The boosted optimizer (None for evaluation under ``no_grad``).
+            return_loss: Return the loss.
+            return_outputs: Return the model's outputs.
+
+        Returns:
+            ``{"loss": ..., "outputs": ...}``.
 
         Raises:
             NotImplementedError: The plugin has no pipeline parallelism.
@@ -285,7 +308,7 @@ def warn_if_slow_precision(plugin: str, precision: str) -> None:
         )
 
 
-def find_module(model: nn.Module, cls: type[_ModuleT]) -> _ModuleT | None:
+def find_module(model: nn.Module | None, cls: type[_ModuleT]) -> _ModuleT | None:
     """The first module of type ``cls`` along ``model.module`` wrappers (or None)."""
     current: object = model
     for _ in range(16):

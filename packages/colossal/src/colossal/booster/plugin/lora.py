@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,11 @@ from torch.distributed.tensor import DTensor
 from colossal.booster.plugin.base import find_module
 from colossal.core import ModelWrapper
 from colossal.core.comm import barrier
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
+
+    from colossal.checkpoint_io import CheckpointIO
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +50,8 @@ def _peft() -> Any:
 def enable_lora(
     model: nn.Module,
     pretrained_dir: str | None = None,
-    lora_config: Any = None,
-    bnb_quantization_config: Any = None,
+    lora_config: PeftConfig | None = None,
+    bnb_quantization_config: object = None,
     quantize: bool = False,
 ) -> nn.Module:
     """Add LoRA adapters to ``model`` (call before ``boost``).
@@ -139,8 +144,11 @@ def _adapter_state(
 
 
 def save_lora_as_pretrained(
-    model: nn.Module, checkpoint: str, use_safetensors: bool = False, group: Any = None,
-    reader: Any = None,
+    model: nn.Module,
+    checkpoint: str,
+    use_safetensors: bool = False,
+    group: dist.ProcessGroup | None = None,
+    reader: CheckpointIO | None = None,
 ) -> None:
     """Save the LoRA adapter of a boosted model as a peft directory (collective).
 

@@ -12,11 +12,14 @@ embedding).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from colossal.shardformer import Policy, ShardConfig
 
 __all__ = [
     "first_names",
@@ -71,7 +74,10 @@ def repoint_by_alias(
 
 
 def shard_and_repoint(
-    model: nn.Module, optimizer: Optimizer | None, shard_config: Any, policy: Any = None
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    shard_config: ShardConfig,
+    policy: Policy | None = None,
 ) -> tuple[nn.Module, Sequence[Mapping[int, torch.Tensor | None]], list[list[str]]]:
     """Shard ``model`` with Shardformer and point ``optimizer`` at the sharded parameters.
 

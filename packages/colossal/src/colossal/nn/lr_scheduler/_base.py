@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -18,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from colossal.core import OptimizerWrapper
 
 
-def torch_optimizer(optimizer: Any, owner: str) -> Optimizer:
+def torch_optimizer(optimizer: object, owner: str) -> Optimizer:
     """The ``torch.optim.Optimizer`` behind ``optimizer`` (an ``OptimizerWrapper`` is unwrapped).
 
     Raises:
@@ -34,7 +33,7 @@ def torch_optimizer(optimizer: Any, owner: str) -> Optimizer:
     return optimizer
 
 
-def check_int(owner: str, name: str, value: Any, minimum: int) -> int:
+def check_int(owner: str, name: str, value: object, minimum: int) -> int:
     """``value`` as an int, checked to be an integer ``>= minimum``.
 
     Raises:
@@ -51,7 +50,7 @@ def check_int(owner: str, name: str, value: Any, minimum: int) -> int:
 def check_float(
     owner: str,
     name: str,
-    value: Any,
+    value: object,
     minimum: float | None = None,
     maximum: float | None = None,
     *,
@@ -77,7 +76,7 @@ def check_float(
     return value
 
 
-def check_steps(owner: str, total_steps: Any, warmup_steps: Any = 0) -> tuple[int, int]:
+def check_steps(owner: str, total_steps: object, warmup_steps: object = 0) -> tuple[int, int]:
     """Check ``total_steps >= 1`` and ``0 <= warmup_steps <= total_steps``.
 
     Raises:
@@ -94,7 +93,7 @@ def check_steps(owner: str, total_steps: Any, warmup_steps: Any = 0) -> tuple[in
     return total, warmup
 
 
-def check_last_epoch(owner: str, last_epoch: Any) -> int:
+def check_last_epoch(owner: str, last_epoch: object) -> int:
     """``last_epoch`` is -1 (start a new schedule) or the index of a step already taken."""
     return check_int(owner, "last_epoch", last_epoch, -1)
 
@@ -127,7 +126,7 @@ class ClosedFormLR(LRScheduler):
         last_epoch: Index of the last step taken; -1 starts the schedule.
     """
 
-    def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: Optimizer | OptimizerWrapper, last_epoch: int = -1) -> None:
         owner = type(self).__name__
         last_epoch = check_last_epoch(owner, last_epoch)
         super().__init__(torch_optimizer(optimizer, owner), last_epoch)

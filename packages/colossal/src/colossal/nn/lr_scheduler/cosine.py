@@ -9,8 +9,9 @@ Notation of the formulas: ``s`` is the step (``last_epoch``: 0 before the first
 
 from __future__ import annotations
 
-from typing import Any
+from torch.optim import Optimizer
 
+from colossal.core import OptimizerWrapper
 from colossal.nn.lr_scheduler._base import (
     ClosedFormLR,
     check_float,
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 
-def _check_pct_start(owner: str, pct_start: Any) -> float:
+def _check_pct_start(owner: str, pct_start: object) -> float:
     return check_float(owner, "pct_start", pct_start, 0.0, 1.0)
 
 
@@ -49,7 +50,7 @@ class CosineAnnealingLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         eta_min: float = 0.0,
         last_epoch: int = -1,
@@ -84,7 +85,7 @@ class CosineAnnealingWarmupLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         warmup_steps: int = 0,
         eta_min: float = 0.0,
@@ -121,7 +122,7 @@ class FlatAnnealingLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         pct_start: float = 0.72,
         last_epoch: int = -1,
@@ -160,7 +161,7 @@ class FlatAnnealingWarmupLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         warmup_steps: int = 0,
         pct_start: float = 0.72,

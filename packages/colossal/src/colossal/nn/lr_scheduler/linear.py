@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from torch.optim import Optimizer
 
+from colossal.core import OptimizerWrapper
 from colossal.nn.lr_scheduler._base import ClosedFormLR, check_steps
 
 __all__ = ["LinearWarmupLR"]
@@ -31,7 +32,11 @@ class LinearWarmupLR(ClosedFormLR):
     """
 
     def __init__(
-        self, optimizer: Any, total_steps: int, warmup_steps: int = 0, last_epoch: int = -1
+        self,
+        optimizer: Optimizer | OptimizerWrapper,
+        total_steps: int,
+        warmup_steps: int = 0,
+        last_epoch: int = -1,
     ) -> None:
         owner = type(self).__name__
         self.total_steps, self.warmup_steps = check_steps(owner, total_steps, warmup_steps)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable
-from typing import Any
 
+from torch.optim import Optimizer
+
+from colossal.core import OptimizerWrapper
 from colossal.nn.lr_scheduler._base import (
     ClosedFormLR,
     check_float,
@@ -31,7 +33,7 @@ def _check_milestones(owner: str, milestones: Iterable[int] | None) -> list[int]
     return values
 
 
-def _check_gamma(owner: str, gamma: Any) -> float:
+def _check_gamma(owner: str, gamma: object) -> float:
     return check_float(owner, "gamma", gamma, 0.0, exclusive_minimum=True)
 
 
@@ -54,7 +56,7 @@ class MultiStepLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         milestones: list[int] | None = None,
         gamma: float = 0.1,
@@ -93,7 +95,7 @@ class MultiStepWarmupLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         warmup_steps: int = 0,
         milestones: list[int] | None = None,
@@ -134,7 +136,7 @@ class StepLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         step_size: int = 1,
         gamma: float = 0.1,
@@ -165,7 +167,11 @@ class ExponentialLR(ClosedFormLR):
     """
 
     def __init__(
-        self, optimizer: Any, total_steps: int, gamma: float = 1.0, last_epoch: int = -1
+        self,
+        optimizer: Optimizer | OptimizerWrapper,
+        total_steps: int,
+        gamma: float = 1.0,
+        last_epoch: int = -1,
     ) -> None:
         owner = type(self).__name__
         self.total_steps, _ = check_steps(owner, total_steps)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from torch.optim import Optimizer
 
-from colossal.nn.lr_scheduler._base import ClosedFormLR, check_float, check_steps, warmup_lr
+from colossal.core import OptimizerWrapper
+from colossal.nn.lr_scheduler._base import (
+    ClosedFormLR,
+    check_float,
+    check_steps,
+    warmup_lr,
+)
 
 __all__ = ["PolynomialLR", "PolynomialWarmupLR"]
 
@@ -34,7 +40,7 @@ class PolynomialLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         end_lr: float = 0.0001,
         power: float = 1.0,
@@ -73,7 +79,7 @@ class PolynomialWarmupLR(ClosedFormLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: Optimizer | OptimizerWrapper,
         total_steps: int,
         warmup_steps: int = 0,
         end_lr: float = 0.0001,

@@ -6,8 +6,8 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -49,7 +49,9 @@ class DDPConfig:
 class TorchDDPModel(ModelWrapper):
     """A model wrapped in ``DistributedDataParallel``."""
 
-    def __init__(self, module: nn.Module, config: DDPConfig, process_group: Any = None) -> None:
+    def __init__(
+        self, module: nn.Module, config: DDPConfig, process_group: dist.ProcessGroup | None = None
+    ) -> None:
         device = next(module.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
         kwargs = dataclasses.asdict(config)
@@ -99,7 +101,7 @@ class TorchDDPPlugin(DPPluginBase):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        dp_group: Any = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(dp_group)
         self.config = DDPConfig(
@@ -133,8 +135,8 @@ class TorchDDPPlugin(DPPluginBase):
         return CheckpointIO(self.dp_group)
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """DDP's ``no_sync``: gradients accumulate locally until the next synced backward."""
         ddp = find_module(model, DistributedDataParallel)
         if ddp is None:

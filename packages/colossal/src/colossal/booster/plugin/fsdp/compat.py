@@ -32,7 +32,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,10 +60,14 @@ from colossal.lazy import is_lazy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FSDP1Arguments"]
+__all__ = ["AutoWrapPolicy", "FSDP1Arguments"]
+
+AutoWrapPolicy = _Policy | Callable[..., bool]
+"""An FSDP1 auto-wrap policy: a policy object (``ModuleWrapPolicy``, ``CustomPolicy``) or
+``callable(module, recurse, nonwrapped_numel) -> bool``."""
 
 
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...], fix: str) -> None:
+def _check_type(name: str, value: object, expected: type | tuple[type, ...], fix: str) -> None:
     if value is not None and not isinstance(value, expected):
         raise TypeError(f"TorchFSDPPlugin({name}=...) got {type(value).__name__}; {fix}")
 
@@ -98,7 +101,7 @@ class FSDP1Arguments:
     process_group: dist.ProcessGroup | None = None
     sharding_strategy: ShardingStrategy | None = None
     cpu_offload: CPUOffload | None = None
-    auto_wrap_policy: Callable[..., Any] | None = None
+    auto_wrap_policy: AutoWrapPolicy | None = None
     backward_prefetch: BackwardPrefetch | None = None
     mixed_precision: MixedPrecision | None = None
     ignored_modules: tuple[nn.Module, ...] = ()
@@ -199,7 +202,7 @@ class FSDP1Arguments:
             )
 
     # ---- mapping used by TorchFSDPPlugin.__init__ ------------------------------------------
-    def dp_group(self, dp_group: Any) -> Any:
+    def dp_group(self, dp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         """The group to build the mesh from: ``process_group`` or ``dp_group``.
 
         Raises:
@@ -248,7 +251,9 @@ class FSDP1Arguments:
             )
         return wanted
 
-    def mp_policy(self, mp_policy: MixedPrecisionPolicy | None, precision: str) -> Any:
+    def mp_policy(
+        self, mp_policy: MixedPrecisionPolicy | None, precision: str
+    ) -> MixedPrecisionPolicy | None:
         """FSDP2's ``MixedPrecisionPolicy`` for ``mixed_precision`` (else ``mp_policy``).
 
         Raises:
@@ -296,7 +301,11 @@ class FSDP1Arguments:
 
     # ---- what TorchFSDPPlugin.configure does with them -------------------------------------
     def prepare(
-        self, model: nn.Module, optimizer: Optimizer | None, group: Any, device: torch.device
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
     ) -> None:
         """Before sharding: run ``param_init_fn`` on meta modules, then ``sync_module_states``.
 
@@ -325,7 +334,7 @@ class FSDP1Arguments:
             self._broadcast(model, group, device)
 
     @staticmethod
-    def _broadcast(model: nn.Module, group: Any, device: torch.device) -> None:
+    def _broadcast(model: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> None:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -406,7 +415,7 @@ def _name(strategy: ShardingStrategy | None) -> str:
 
 def _recursive_choice(
     module: nn.Module,
-    policy: Callable[..., Any],
+    policy: Callable[..., bool],
     ignored: tuple[set[nn.Module], set[nn.Parameter]],
     chosen: list[nn.Module],
     only_children: bool = False,

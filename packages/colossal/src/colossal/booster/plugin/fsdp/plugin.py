@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
+    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -39,7 +39,7 @@ from colossal.booster.plugin.base import (
     repoint_optimizer,
 )
 from colossal.booster.plugin.fsdp.checkpoint_io import FSDPCheckpointIO
-from colossal.booster.plugin.fsdp.compat import FSDP1Arguments
+from colossal.booster.plugin.fsdp.compat import AutoWrapPolicy, FSDP1Arguments
 from colossal.checkpoint_io import CheckpointIO
 from colossal.checkpoint_io.sharded import as_sharded
 from colossal.checkpoint_io.template import unwrap_model
@@ -182,11 +182,11 @@ class TorchFSDPPlugin(DPPluginBase):
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
         shard_module_types: Sequence[str] | None = None,
-        dp_group: Any = None,
+        dp_group: dist.ProcessGroup | None = None,
         process_group: dist.ProcessGroup | None = None,
         sharding_strategy: ShardingStrategy | None = None,
         cpu_offload: CPUOffload | None = None,
-        auto_wrap_policy: Callable[..., Any] | None = None,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
         backward_prefetch: BackwardPrefetch | None = None,
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
@@ -291,7 +291,7 @@ class TorchFSDPPlugin(DPPluginBase):
         return self._checkpoint_io
 
     @contextlib.contextmanager
-    def _no_sync(self, module: Any) -> Iterator[None]:
+    def _no_sync(self, module: FSDPModule) -> Iterator[None]:
         module.set_requires_gradient_sync(False)
         try:
             yield
@@ -299,7 +299,17 @@ class TorchFSDPPlugin(DPPluginBase):
             module.set_requires_gradient_sync(True)
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
-        """Accumulate gradients without reduce-scatter until the context exits."""
-        return self._no_sync(unwrap_model(model))
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients without reduce-scatter until the context exits.
+
+        Raises:
+            TypeError: ``model`` is not the model returned by ``boost``.
+        """
+        sharded = unwrap_model(model) if model is not None else None
+        if not isinstance(sharded, FSDPModule):
+            raise TypeError(
+                f"TorchFSDPPlugin.no_sync needs the model returned by boost(), got "
+                f"{type(model).__name__}"
+            )
+        return self._no_sync(sharded)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.checkpoint_io import (
     MODEL_INDEX,
@@ -179,7 +180,7 @@ class GeminiCheckpointIO(CheckpointIO):
         self._once(lambda: self._save_optimizer(optimizer, checkpoint, shard, size_per_shard,
                                                 use_async, background_snapshot))
 
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """As :meth:`CheckpointIO.save_lr_scheduler`; with replicas, replica 0 writes it."""
         self._once(lambda: super(GeminiCheckpointIO, self).save_lr_scheduler(lr_scheduler,
                                                                              checkpoint))

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from colossal.core import ScalerConfig, parse_precision
 
-__all__ = ["GeminiConfig", "ShardformerOptions", "normalize_chunk_config"]
+__all__ = [
+    "ChunkConfig",
+    "GeminiConfig",
+    "GeminiShardConfigOptions",
+    "ShardformerOptions",
+    "normalize_chunk_config",
+]
 
 _PLACEMENTS = ("static", "auto")
 _PRECISIONS = ("fp16", "bf16", "fp32")
@@ -31,7 +37,7 @@ _SHARDFORMER_FLAGS = (
 )
 
 
-def _fraction(name: str, value: Any, low_open: bool = False) -> float:
+def _fraction(name: str, value: object, low_open: bool = False) -> float:
     """``value`` as a float in [0, 1] (or (0, 1] when ``low_open``), else ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise ValueError(f"GeminiPlugin: {name}={value!r} must be a number in [0, 1]")
@@ -45,7 +51,7 @@ def _fraction(name: str, value: Any, low_open: bool = False) -> float:
     return float(value)
 
 
-def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
+def _positive(name: str, value: object, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise ValueError(f"GeminiPlugin: {name}={value!r} must be a number")
     if value < 0 or (value == 0 and not allow_zero):
@@ -54,10 +60,26 @@ def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
     return float(value)
 
 
-def _size(name: str, value: Any) -> int:
+def _size(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"GeminiPlugin: {name}={value!r} must be an int >= 1 (1: off)")
     return value
+
+
+class GeminiShardConfigOptions(TypedDict, total=False):
+    """The ``colossal.shardformer.ShardConfig`` keyword arguments of :class:`ShardformerOptions`.
+
+    ``sequence_parallelism_mode`` is present only with sequence parallelism.
+    """
+
+    enable_all_optimization: bool
+    enable_fused_normalization: bool
+    enable_flash_attention: bool
+    enable_sequence_parallelism: bool
+    enable_jit_fused: bool
+    enable_sequence_overlap: bool
+    enable_tensor_parallelism: bool
+    sequence_parallelism_mode: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +132,30 @@ class ShardformerOptions:
         """Whether the model goes through Shardformer (tensor parallelism or a flag)."""
         return self.tp_size > 1 or any(getattr(self, n) for n in _SHARDFORMER_FLAGS)
 
-    def shard_config_kwargs(self) -> dict[str, Any]:
+    def shard_config_kwargs(self) -> GeminiShardConfigOptions:
         """The ``ShardConfig`` keyword arguments (the tensor-parallel group excepted)."""
-        kwargs: dict[str, Any] = {n: getattr(self, n) for n in _SHARDFORMER_FLAGS}
-        kwargs["enable_tensor_parallelism"] = self.tp_size > 1
+        kwargs = GeminiShardConfigOptions(
+            enable_all_optimization=self.enable_all_optimization,
+            enable_fused_normalization=self.enable_fused_normalization,
+            enable_flash_attention=self.enable_flash_attention,
+            enable_sequence_parallelism=self.enable_sequence_parallelism,
+            enable_jit_fused=self.enable_jit_fused,
+            enable_sequence_overlap=self.enable_sequence_overlap,
+            enable_tensor_parallelism=self.tp_size > 1,
+        )
         if self.enable_sequence_parallelism:
             kwargs["sequence_parallelism_mode"] = "split_gather"
         return kwargs
 
 
-def normalize_chunk_config(config: Any, dp_size: int) -> dict[str, Any] | None:
+class ChunkConfig(TypedDict):
+    """A normalized ``chunk_config_dict`` (see :func:`normalize_chunk_config`)."""
+
+    chunk_size: int
+    keep_gathered: bool
+
+
+def normalize_chunk_config(config: object, dp_size: int) -> ChunkConfig | None:
     """``{"chunk_size": int, "keep_gathered": bool}`` from a user's ``chunk_config_dict``.
 
     Accepts that dict itself, or ColossalAI's form keyed by data-parallel size

@@ -195,7 +195,7 @@ class GeminiPlugin(DPPluginBase):
         verbose: bool = False,
         device_memory_limit: int | str | None = None,
         max_prefetch: int = 0,
-        dp_group: Any = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         shard_options = ShardformerOptions(
             tp_size=tp_size,
@@ -397,8 +397,8 @@ class GeminiPlugin(DPPluginBase):
         return self._checkpoint_io
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients over micro-batches (``GeminiDDP.no_sync``).
 
         Gemini reduces every backward into the gradient shards; with
@@ -422,7 +422,9 @@ class GeminiPlugin(DPPluginBase):
         return ddp.no_sync()
 
 
-def _gemini_dims(tp_size: int, extra_dp_size: int, dp_group: Any) -> ParallelDims:
+def _gemini_dims(
+    tp_size: int, extra_dp_size: int, dp_group: dist.ProcessGroup | None
+) -> ParallelDims:
     """``ParallelDims(dp=world / tp_size, tp=tp_size, dp_shard=zero)`` of the job, validated.
 
     The zero group (``dp_shard``) has ``world / (tp_size * extra_dp_size)`` ranks; the

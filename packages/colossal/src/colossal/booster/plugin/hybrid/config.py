@@ -10,11 +10,22 @@ the schedule when a batch arrives.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypedDict
 
 from colossal.core import parse_precision
 
-__all__ = ["PP_STYLES", "SP_MODES", "HybridConfig", "ShardOptions", "unused_arguments"]
+if TYPE_CHECKING:
+    from colossal.shardformer import PipelineGradientCheckpointConfig
+
+__all__ = [
+    "PP_STYLES",
+    "SP_MODES",
+    "HybridConfig",
+    "ShardConfigOptions",
+    "ShardOptions",
+    "unused_arguments",
+]
 
 PP_STYLES = ("1f1b", "interleaved", "zbv")
 """Pipeline schedules: 1F1B, interleaved 1F1B (several chunks per stage), zero-bubble V."""
@@ -25,7 +36,7 @@ SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 _TP_GROUP_MODES = ("split_gather", "ring")
 
 
-def _size(name: str, value: Any, allow_none: bool = False) -> None:
+def _size(name: str, value: object, allow_none: bool = False) -> None:
     if allow_none and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -184,6 +195,19 @@ class HybridConfig:
         )
 
 
+class ShardConfigOptions(TypedDict):
+    """The ``colossal.shardformer.ShardConfig`` keyword arguments of :class:`ShardOptions`."""
+
+    enable_all_optimization: bool
+    enable_fused_normalization: bool
+    enable_flash_attention: bool
+    enable_jit_fused: bool
+    enable_sequence_overlap: bool
+    parallel_output: bool
+    make_vocab_size_divisible_by: int
+    gradient_checkpoint_config: PipelineGradientCheckpointConfig | None
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardOptions:
     """Shardformer's optimizations and model settings of a hybrid-parallel job.
@@ -199,14 +223,23 @@ class ShardOptions:
     enable_sequence_overlap: bool = False
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
-    gradient_checkpoint_config: Any = None
+    gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None
 
     def __post_init__(self) -> None:
         _size("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
 
-    def shard_config_kwargs(self) -> dict[str, Any]:
-        """The ``ShardConfig`` keyword arguments they stand for."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def shard_config_kwargs(self) -> ShardConfigOptions:
+        """The ``ShardConfig`` keyword arguments they stand for (every field)."""
+        return ShardConfigOptions(
+            enable_all_optimization=self.enable_all_optimization,
+            enable_fused_normalization=self.enable_fused_normalization,
+            enable_flash_attention=self.enable_flash_attention,
+            enable_jit_fused=self.enable_jit_fused,
+            enable_sequence_overlap=self.enable_sequence_overlap,
+            parallel_output=self.parallel_output,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+            gradient_checkpoint_config=self.gradient_checkpoint_config,
+        )
 
 
 _DDP_DEFAULTS = {
@@ -220,7 +253,7 @@ _DDP_DEFAULTS = {
 """ColossalAI's torch-DDP arguments of the plugin, with their defaults."""
 
 
-def unused_arguments(ddp: dict[str, Any], enable_jit_fused: bool) -> list[str]:
+def unused_arguments(ddp: Mapping[str, bool | int], enable_jit_fused: bool) -> list[str]:
     """The arguments set to something that has no effect here (for a one-time warning).
 
     The gradients of every layout are reduced in ZeRO's buckets (see the plugin's

@@ -83,7 +83,11 @@ class HybridLoraSource:
     """
 
     def __init__(
-        self, peft_model: nn.Module, chunks: list[nn.Module], prefix: str, pp_group: Any
+        self,
+        peft_model: nn.Module,
+        chunks: list[nn.Module],
+        prefix: str,
+        pp_group: dist.ProcessGroup | None,
     ) -> None:
         self.peft_model = peft_model
         self.chunks = chunks

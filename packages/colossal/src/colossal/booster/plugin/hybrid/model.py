@@ -7,7 +7,7 @@ Sharding and pointing the optimizer at the sharded parameters live in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from colossal.core import (
     shard_spec,
     whole_shape,
 )
+
+if TYPE_CHECKING:
+    from colossal.booster.plugin.hybrid.lora import HybridLoraSource
 
 __all__ = ["HybridParallelModel", "cast_floats", "mark_tied"]
 
@@ -60,7 +63,12 @@ class HybridParallelModel(ModelWrapper):
         module: The sharded model, or this stage's chunks.
         dtype: The training precision.
         pipelined: Whether ``module`` is a pipeline stage.
+
+    Attributes:
+        lora_source: Set (by the plugin) only on a boosted ``PeftModel``: its full adapter.
     """
+
+    lora_source: HybridLoraSource
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, pipelined: bool) -> None:
         super().__init__(module)

@@ -13,8 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from colossal.checkpoint_io import CheckpointError
+from colossal.checkpoint_io import CheckpointError, TensorReader
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.core import (
     Absent,
     Block,
@@ -24,6 +26,7 @@ from colossal.core import (
     Placed,
     Placement,
     Replicated,
+    ShardedTensor,
 )
 from colossal.core.comm import all_gather_object
 
@@ -44,8 +47,14 @@ def empty_part(shape: Sequence[int], dtype: torch.dtype) -> LocalShard:
     return LocalShard(torch.empty(none, dtype=dtype), Block((0,) * len(shape), none), shape)
 
 
-def stage_state(value: Any, owner: int, pp_group: Any, shape: Sequence[int],
-                dtype: torch.dtype, mine: bool) -> Any:
+def stage_state(
+    value: TensorLike | None,
+    owner: int,
+    pp_group: dist.ProcessGroup | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    mine: bool,
+) -> Placed:
     """A state as the save sees it: owned by pipeline stage ``owner`` along ``"pp"``.
 
     This rank's ZeRO state (a ``StateRef``, placed along tp and dp as its parameter) when its
@@ -53,14 +62,30 @@ def stage_state(value: Any, owner: int, pp_group: Any, shape: Sequence[int],
     tied weight's copy on another stage counts as absent: the owner's copy is saved.
 
     Args:
-        value: This rank's state of the parameter (None when it holds none).
+        value: This rank's state of the parameter: a tensor, or a placed sharded state
+            (ZeRO's ``StateRef``); None when it holds none.
         owner: The pipeline coordinate of the stage whose copy is saved.
         pp_group: The pipeline group (None without pipeline parallelism).
         shape: The state's whole shape.
         dtype: Its dtype.
         mine: Whether this rank's stage is ``owner``.
+
+    Raises:
+        RuntimeError: Without a pipeline, this rank holds none of the state.
+        TypeError: ``value`` is a sharded tensor that does not describe its placements
+            (ZeRO's states do).
     """
+    if value is not None and not isinstance(value, torch.Tensor | Placed):
+        raise TypeError(
+            f"a {type(value).__name__} optimizer state cannot be placed along the pipeline "
+            "axis; expected a tensor or a colossal.core.Placed state (ZeRO's StateRef)"
+        )
     if pp_group is None:  # no pipeline: every rank holds its part of every state
+        if value is None:
+            raise RuntimeError(
+                "without pipeline parallelism every rank holds its part of every optimizer "
+                f"state, but this rank holds none of a state of shape {tuple(shape)}"
+            )
         return value if isinstance(value, Placed) else Replicated(value)
     along = Placement("pp", Owned(owner), pp_group)
     if not mine or value is None:
@@ -86,7 +111,7 @@ def merge_meta(meta: dict[str, Any], shapes: Mapping[str, Sequence[int]]) -> dic
             "param_shapes": {n: list(s) for n, s in merged_shapes.items()}}
 
 
-def read_held_state(reader: Any, ref: Any, key: str) -> Any:
+def read_held_state(reader: TensorReader, ref: ShardedTensor, key: str) -> TensorLike:
     """This rank's part of the stored state ``key``, laid out as ZeRO's ``ref`` keeps it.
 
     Reads only the part the ref's placements compose to (its tensor-parallel block, then its

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,7 @@ from colossal.booster.plugin.hybrid.model import HybridParallelModel, cast_float
 from colossal.booster.plugin.sharding import first_names, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import (
+    ModelWrapper,
     OptimizerWrapper,
     ParallelDims,
     ScalerConfig,
@@ -68,6 +69,7 @@ from colossal.zero import LowLevelZeroOptimizer, ZeroConfig
 
 if TYPE_CHECKING:
     from colossal.pipeline import PipelineSchedule, PipelineStageManager
+    from colossal.shardformer import PipelineGradientCheckpointConfig, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +185,11 @@ class HybridParallelPlugin(DPPluginBase):
         cpu_offload: bool = False,
         communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = True,
-        custom_policy: Any = None,
+        custom_policy: Policy | None = None,
         pp_style: str = "1f1b",
         num_model_chunks: int = 1,
         num_layers_per_stage: list[int] | None = None,
-        gradient_checkpoint_config: Any = None,
+        gradient_checkpoint_config: PipelineGradientCheckpointConfig | None = None,
         enable_metadata_cache: bool = True,
         make_vocab_size_divisible_by: int = 64,
         dp_outside: bool = True,
@@ -450,7 +452,7 @@ class HybridParallelPlugin(DPPluginBase):
         """The dtype parameters are cast to."""
         return parse_precision(self.config.precision).dtype
 
-    def _lora_policy(self, inner: nn.Module, policy: Any) -> Any:
+    def _lora_policy(self, inner: nn.Module, policy: Policy | None) -> Policy | None:
         """The policy splitting LoRA adapters with their base layers (``tp_size > 1``)."""
         if self.tp_size == 1:
             return policy
@@ -458,7 +460,9 @@ class HybridParallelPlugin(DPPluginBase):
 
         return lora_policy(get_autopolicy(inner) if policy is None else policy, self.tp_group)
 
-    def _lora_source(self, peft_model: nn.Module, module: nn.Module, prefix: str) -> Any:
+    def _lora_source(
+        self, peft_model: nn.Module, module: nn.Module, prefix: str
+    ) -> HybridLoraSource:
         """The adapter saver of a boosted ``PeftModel`` (other stages' weights released)."""
         chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
         release_unheld(peft_model, chunks)
@@ -479,8 +483,8 @@ class HybridParallelPlugin(DPPluginBase):
     def execute_pipeline(
         self,
         data_iter: Iterator[Any],
-        model: HybridParallelModel,
-        criterion: Callable[..., Any],
+        model: nn.Module,
+        criterion: Criterion,
         optimizer: OptimizerWrapper | None = None,
         return_loss: bool = True,
         return_outputs: bool = False,
@@ -496,11 +500,16 @@ class HybridParallelPlugin(DPPluginBase):
 
         Raises:
             RuntimeError: ``pp_size == 1`` (call the model and ``booster.backward``).
+            TypeError: ``model`` is not the model returned by ``boost``.
         """
         if self.schedule is None:
             raise RuntimeError(
                 "execute_pipeline needs pp_size > 1 and a model boosted by this plugin; with "
                 "pp_size=1 call the model and booster.backward(loss, optimizer)"
+            )
+        if not isinstance(model, ModelWrapper):
+            raise TypeError(
+                f"execute_pipeline needs the model returned by boost(), got {type(model).__name__}"
             )
         dtype = self.precision_dtype
         batches = (cast_floats(batch, dtype) for batch in data_iter)
@@ -517,8 +526,8 @@ class HybridParallelPlugin(DPPluginBase):
         return self._checkpoint_io
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without reducing them (ZeRO stage 0/1).
 
         Raises:

@@ -9,13 +9,16 @@ stored tensor that cover this rank's elements.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from colossal.checkpoint_io import CheckpointIO, TensorReader
 from colossal.checkpoint_io.optimizer_state import SKIP_ON_LOAD
+from colossal.checkpoint_io.sharded import TensorLike
 from colossal.core import LocalShard, OptimizerWrapper, ShardedTensor
 from colossal.zero import LowLevelZeroOptimizer, sharded_params, sharded_state_dict
 
@@ -33,12 +36,12 @@ class ZeroCheckpointIO(CheckpointIO):
 
     keep_states = SKIP_ON_LOAD  # the fp32 masters, when saved
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(group)
         self.optimizers: list[LowLevelZeroOptimizer] = []
 
     def load_model_state(
-        self, model: nn.Module, targets: dict[str, Any], reader: TensorReader
+        self, model: nn.Module, targets: Mapping[str, TensorLike], reader: TensorReader
     ) -> None:
         """Copy tensors in, then refresh the masters of every optimizer over this model."""
         super().load_model_state(model, targets, reader)
@@ -59,6 +62,6 @@ class ZeroCheckpointIO(CheckpointIO):
             return dict(sharded_params(optimizer))
         return super().optimizer_layout(optimizer)
 
-    def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> Any:
+    def load_state_value(self, layout: ShardedTensor, local: torch.Tensor) -> LocalShard:
         """This rank's elements, as the part of the state ZeRO's loader accepts."""
         return LocalShard(local.reshape(-1), layout.placements, layout.shape)

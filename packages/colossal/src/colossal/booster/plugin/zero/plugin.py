@@ -164,7 +164,7 @@ class LowLevelZeroPlugin(DPPluginBase):
         cpu_offload: bool = False,
         master_weights: bool = True,
         verbose: bool = False,
-        dp_group: Any = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(dp_group)
         self.config = ZeroPluginConfig(
@@ -235,8 +235,8 @@ class LowLevelZeroPlugin(DPPluginBase):
         return self._checkpoint_io
 
     def no_sync(
-        self, model: nn.Module, optimizer: OptimizerWrapper | None = None
-    ) -> contextlib.AbstractContextManager:
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """The optimizer's ``no_sync`` (stage 1 only).
 
         Raises:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 from colossal.core import DynamicGradScaler, OptimizerWrapper, keep_alive
 from colossal.core.comm import broadcast, group_ranks
@@ -433,7 +434,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         return self._grad_norm
 
     # ---- step --------------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: None = None) -> None:
         """Unscale and clip the gradient slices in one pass, step, then all-gather parameters.
 
         Under fp16 a step whose gradients overflowed on any rank is skipped on every rank
@@ -501,7 +502,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             master.grad = None
 
     # ---- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Full, unpadded per-parameter states keyed by parameter index (collective).
 
         World-size agnostic: load it at any data-parallel size. Under fp16/bf16 with master
@@ -510,7 +511,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self.gatherer.wait_all()
         return gather_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Restore what :meth:`state_dict` returned, at any data-parallel size."""
         self.gatherer.wait_all()
         scatter_state_dict(self, state_dict)

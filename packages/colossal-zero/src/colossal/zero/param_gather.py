@@ -18,7 +18,7 @@ order could not be kept).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,8 +66,9 @@ class PendingReadMode(TorchFunctionMode):
         super().__init__()
         self._gatherer = gatherer
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         if kwargs is None:
             kwargs = {}
         gatherer = self._gatherer

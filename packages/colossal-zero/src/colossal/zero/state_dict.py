@@ -6,6 +6,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import StateDict
 
 from colossal.core import FlatRange, Placed, Placement, ShardedTensor, whole_shape
 from colossal.core.comm import all_gather, broadcast, recv, send
@@ -126,7 +127,7 @@ def _param_groups(opt: LowLevelZeroOptimizer) -> list[dict[str, Any]]:
     return groups
 
 
-def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
+def sharded_state_dict(opt: LowLevelZeroOptimizer) -> StateDict:
     """:func:`gather_state_dict` without communication: sharded states stay :class:`StateRef`.
 
     Same keys and order as :func:`gather_state_dict`; every tensor that would be gathered is
@@ -212,7 +213,7 @@ def sharded_params(opt: LowLevelZeroOptimizer) -> dict[int, StateRef]:
     }
 
 
-def gather_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
+def gather_state_dict(opt: LowLevelZeroOptimizer) -> StateDict:
     """Build ``{"state", "param_groups", "loss_scaler", "zero"}`` with full tensors (collective)."""
     state: dict[int, dict[str, Any]] = {}
     for bucket, master in zip(opt.buckets, opt.masters, strict=True):
@@ -244,7 +245,7 @@ def _group_param_count(opt: LowLevelZeroOptimizer, group: int) -> int:
     return opt._group_sizes[group]
 
 
-def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: dict[str, Any]) -> None:
+def scatter_state_dict(opt: LowLevelZeroOptimizer, sd: StateDict) -> None:
     """Load full per-parameter states into this rank's slices (no communication).
 
     Raises:

@@ -7,7 +7,10 @@ Usage::
 The check is static (it parses every file with :mod:`ast`, nothing is imported) and uses only
 the standard library. It looks at ``packages/<dist>/src/colossal/<pkg>/**.py`` (a file belongs
 to the package ``colossal.<pkg>``) and ``packages/<dist>/tests/**.py`` (tests may import what
-the distribution's packages may import, under the same rules). It reports:
+the distribution's packages may import, under the same rules). A package shipped outside the
+namespace (``packages/<dist>/src/<name>/``: colossalai-compat's top-level ``colossalai``) is
+checked the same way from its ``TOP_LEVEL`` row, and importing it counts like importing any
+package of the table (it sits above all of them, so nothing else may). It reports:
 
 * ``upward`` / ``same-level`` / ``not-allowed``: an import of a sibling package the importer
   may not depend on (the ``LAYERS`` table below);
@@ -121,8 +124,23 @@ LAYERS: dict[str, Layer] = {
     # DESIGN.md: cli imports core, and the meta-package lazily; `colossal check -i` also shows
     # the kernel registry, so colossal.kernels (under the meta-package) may be imported lazily.
     "cli": _layer("colossal-cli", 4, ["core"], lazy=(*_META, "kernels")),
+    # the seeds' config-era API, a front end above the meta-package ("all of the above" in
+    # DESIGN.md, the CLI aside: the two never import each other)
+    "legacy": _layer("colossal-legacy", 4, (*_BELOW_META, *_META)),
 }
 
+# Top-level packages outside the `colossal` namespace: import name -> layer. colossalai-compat
+# (`import colossalai`, opt-in) maps ColossalAI's paths onto every package below it; since it
+# sits above all of them, no colossal package (or its tests) may import it.
+TOP_LEVEL: dict[str, Layer] = {
+    "colossalai": _layer("colossalai-compat", 5, (*_BELOW_META, *_META, "legacy")),
+}
+_ALL_LAYERS: dict[str, Layer] = {**LAYERS, **TOP_LEVEL}
+
+
+def shown(pkg: str) -> str:
+    """How a package of the table is written in messages (``colossal.zero``, ``colossalai``)."""
+    return pkg if pkg in TOP_LEVEL else f"{NAMESPACE}.{pkg}"
 
 
 def is_private(component: str) -> bool:
@@ -280,7 +298,7 @@ def _private_component(parts: Sequence[str]) -> str | None:
 
 def _describe(packages: Iterable[str]) -> str:
     names = sorted(packages)
-    return ", ".join(f"colossal.{p}" for p in names) if names else "no other colossal package"
+    return ", ".join(shown(p) for p in names) if names else "no other colossal package"
 
 
 def check_ref(
@@ -288,11 +306,14 @@ def check_ref(
 ) -> list[Violation]:
     """The violations of one import, given who imports it (and the module tree, if known)."""
     parts = ref.target.split(".")
-    if parts[0] != NAMESPACE or len(parts) < 2:
+    if parts[0] in TOP_LEVEL:
+        pkg, inner = parts[0], parts[1:]
+    elif parts[0] == NAMESPACE and len(parts) >= 2:
+        pkg, inner = parts[1], parts[2:]
+    else:
         return []
-    pkg = parts[1]
     here = (path, ref.line)
-    layer = LAYERS.get(pkg)
+    layer = _ALL_LAYERS.get(pkg)
     if layer is None:
         return [
             Violation(
@@ -306,7 +327,7 @@ def check_ref(
         return []  # own package or own distribution: anything goes, private modules included
 
     found: list[Violation] = []
-    mine = [LAYERS[p] for p in importer.packages if p in LAYERS]
+    mine = [_ALL_LAYERS[p] for p in importer.packages if p in _ALL_LAYERS]
     allowed = frozenset().union(*(m.allowed for m in mine))
     if importer.is_test:
         allowed |= frozenset().union(*(m.tests_also for m in mine))
@@ -320,7 +341,7 @@ def check_ref(
                     *here,
                     "lazy-only",
                     f"`{ref.text}` runs at import time, but {importer.label} may import "
-                    f"colossal.{pkg} only lazily: move the import into the function that needs it",
+                    f"{shown(pkg)} only lazily: move the import into the function that needs it",
                 )
             )
     else:
@@ -335,19 +356,19 @@ def check_ref(
             Violation(
                 *here,
                 rule,
-                f"{importer.label} must not import colossal.{pkg} (`{ref.text}`): {why}; "
+                f"{importer.label} must not import {shown(pkg)} (`{ref.text}`): {why}; "
                 f"it may import {_describe(allowed)}"
                 + (f" (and lazily {_describe(lazy_only)})" if lazy_only else ""),
             )
         )
-    private = _private_component(parts[2:])
+    private = _private_component(inner)
     if private is not None:
         found.append(
             Violation(
                 *here,
                 "private",
-                f"`{ref.text}` uses `{private}`, a private part of colossal.{pkg}: import its "
-                f"public names from `colossal.{pkg}` instead",
+                f"`{ref.text}` uses `{private}`, a private part of {shown(pkg)}: import its "
+                f"public names from `{shown(pkg)}` instead",
             )
         )
     deep = None if index is None or private is not None else index.deep_module(ref.target)
@@ -511,14 +532,77 @@ def _check_distribution(
                 found.extend(check_file(root, path, importer, index, graph))
                 files += 1
 
+    top_found, top_files = _check_top_level(root, dist_dir, index, graph, shipped)
+    found.extend(top_found)
+    files += top_files
+
     tests = dist_dir / "tests"
     if tests.is_dir():
         packages = frozenset(shipped) or frozenset(
-            p for p, layer in LAYERS.items() if layer.dist == dist
+            p for p, layer in _ALL_LAYERS.items() if layer.dist == dist
         )
         importer = Importer(f"the tests of {dist}", dist, packages, None)
         for path in _python_files(tests):
             found.extend(check_file(root, path, importer, index))
+            files += 1
+    return found, files
+
+
+def _check_top_level(
+    root: Path,
+    dist_dir: Path,
+    index: ModuleIndex,
+    graph: dict[str, dict[str, int]],
+    shipped: set[str],
+) -> tuple[list[Violation], int]:
+    """The packages a distribution ships outside the namespace (``src/colossalai/``).
+
+    Every directory of ``src/`` holding Python files, the namespace aside, is one. Each must
+    be a row of ``TOP_LEVEL`` for this distribution; its files are checked like a
+    namespace package's, and its name is added to ``shipped``.
+    """
+    dist = dist_dir.name
+    found: list[Violation] = []
+    files = 0
+    src = dist_dir / "src"
+    entries = sorted(src.iterdir()) if src.is_dir() else []
+    for entry in entries:
+        if entry.name in (NAMESPACE, "__pycache__") or entry.name.startswith("."):
+            continue
+        if not entry.is_dir() or next(_python_files(entry), None) is None:
+            continue
+        init = entry / "__init__.py"
+        where = _rel(root, init) if init.is_file() else f"{_rel(root, entry)}/"
+        layer = TOP_LEVEL.get(entry.name)
+        if layer is None:
+            found.append(
+                Violation(
+                    where,
+                    1,
+                    "unknown-package",
+                    f"top-level package {entry.name} is not in the layering table (add it to "
+                    "TOP_LEVEL in tools/check_layering.py, matching DESIGN.md)",
+                )
+            )
+            continue
+        if layer.dist != dist:
+            found.append(
+                Violation(
+                    where,
+                    1,
+                    "wrong-distribution",
+                    f"{entry.name} belongs to the distribution {layer.dist!r} (DESIGN.md), "
+                    f"not {dist!r}",
+                )
+            )
+            continue
+        shipped.add(entry.name)
+        for path in _python_files(entry):
+            rel_parts = path.relative_to(entry).with_suffix("").parts
+            is_init = rel_parts[-1] == "__init__"
+            module = (entry.name,) + (rel_parts[:-1] if is_init else rel_parts)
+            importer = Importer(entry.name, dist, frozenset({entry.name}), module, is_init)
+            found.extend(check_file(root, path, importer, index, graph))
             files += 1
     return found, files
 

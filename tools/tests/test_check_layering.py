@@ -376,6 +376,48 @@ def test_clean_tree_passes(repo: Path) -> None:
             1,
             id="syntax-error",
         ),
+        pytest.param(
+            "packages/colossal/src/colossal/booster/bad.py",
+            "import os\nimport colossalai\n",
+            "upward",
+            2,
+            id="meta-imports-compat",  # colossalai-compat is opt-in: nothing depends on it
+        ),
+        pytest.param(
+            "packages/colossal-core/tests/test_bad.py",
+            "def test():\n    from colossalai.booster import Booster\n",
+            "upward",
+            2,
+            id="core-tests-import-compat-lazily",
+        ),
+        pytest.param(
+            "packages/colossalai-compat/src/colossalai/bad.py",
+            "from colossal.cli import main\n",
+            "not-allowed",
+            1,
+            id="compat-imports-cli",
+        ),
+        pytest.param(
+            "packages/colossalai-compat/src/colossalai/bad.py",
+            "from colossal.zero._impl import LowLevelZeroOptimizer\n",
+            "private",
+            1,
+            id="compat-imports-zero-private",
+        ),
+        pytest.param(
+            "packages/colossal-core/src/colossalai/__init__.py",
+            "",
+            "wrong-distribution",
+            1,
+            id="compat-package-in-core",
+        ),
+        pytest.param(
+            "packages/colossal-zero/src/zero_extra/__init__.py",
+            "",
+            "unknown-package",
+            1,
+            id="unknown-top-level-package",
+        ),
     ],
 )
 def test_violation_fails_naming_file(repo: Path, rel: str, text: str, rule: str, line: int) -> None:
@@ -441,9 +483,51 @@ def test_table_matches_design() -> None:
     }
     assert layers["cli"].allowed == {"core"}
     assert layers["cli"].lazy_only == {"booster", "checkpoint_io", "lazy", "nn", "kernels"}
-    for name, layer in layers.items():
+    # legacy: above the meta-package ("all of the above", the CLI aside)
+    meta = {"booster", "checkpoint_io", "lazy", "nn"}
+    assert layers["legacy"].dist == "colossal-legacy"
+    assert layers["legacy"].allowed == set(layers) - {"legacy", "cli"}
+    assert layers["legacy"].level > max(layers[p].level for p in meta)
+    # colossalai-compat: the top-level `colossalai`, above legacy
+    compat = checker.TOP_LEVEL["colossalai"]
+    assert compat.dist == "colossalai-compat"
+    assert compat.allowed == set(layers) - {"cli"}
+    assert compat.level > layers["legacy"].level
+    every = {**layers, **checker.TOP_LEVEL}
+    for name, layer in every.items():
         for dep in layer.allowed:
-            assert layers[dep].level < layer.level, (name, dep)
+            assert every[dep].level < layer.level, (name, dep)
+
+
+def test_compat_top_level_package_is_checked(repo: Path) -> None:
+    files_before = checker.check(repo)[1]
+    _write(
+        repo,
+        {
+            "packages/colossalai-compat/src/colossalai/__init__.py": """
+                import importlib
+                from colossal.booster import Booster
+                from colossal.core import ProcessGroupMesh
+                from . import _table
+                from colossalai._table import TABLE
+
+                importlib.import_module("colossal.legacy")
+            """,
+            "packages/colossalai-compat/src/colossalai/_table.py": "TABLE = {}\n",
+            "packages/colossalai-compat/tests/test_compat.py": """
+                import colossalai
+                from colossalai._table import TABLE
+                from colossal.zero import LowLevelZeroOptimizer
+            """,
+        },
+    )
+    violations, files, _ = checker.check(repo)
+    assert violations == []
+    assert files == files_before + 3  # the compat package's two files and its test
+    _write(repo, {"packages/colossalai-compat/src/colossalai/bad.py": "import colossal.cli\n"})
+    [violation] = checker.check(repo)[0]
+    assert violation.rule == "not-allowed"
+    assert violation.message.startswith("colossalai must not import colossal.cli")
 
 
 def test_real_repository_is_clean() -> None:

@@ -99,6 +99,7 @@ def test_convert_to_amp_naive_alone_steps_fp32_masters(lr: float) -> None:
     assert isinstance(model, NaiveAMPModel) and isinstance(opt, NaiveAMPOptimizer)
     assert all(p.dtype == torch.float16 for p in model.parameters())
     assert all(m.dtype == torch.float32 for m in opt.master_params)
+    assert opt.param_names == (("0.weight", "0.bias", "2.weight", "2.bias"),)  # checkpoints
     start = _flat(opt.master_params)
     for x, y in zip(*_data(), strict=True):
         opt.zero_grad()

@@ -19,8 +19,8 @@ __all__ = ["AMP_CONFIG_KEYS", "check_amp_config", "convert_to_amp"]
 
 
 def _keywords(cls: type) -> tuple[str, ...]:
-    skip = {"self", "optim", "group"}
-    return tuple(n for n in inspect.signature(cls.__init__).parameters if n not in skip)
+    skip = {"optim", "group"}
+    return tuple(n for n in inspect.signature(cls).parameters if n not in skip)
 
 
 #: The keys ``fp16=dict(mode=..., ...)`` accepts besides ``mode``, per mode.

@@ -331,7 +331,8 @@ def convert_to_naive_amp(
 
     An ``nn.ModuleList`` (the model chunks of an interleaved pipeline stage) becomes a list
     of :class:`NaiveAMPModel`, of which only the last casts its outputs to fp32 (when
-    ``output_to_fp32``).
+    ``output_to_fp32``). The optimizer carries the model's parameter names, so checkpoints
+    store the masters' states by name.
 
     Args:
         model: The model (cast to fp16 in place).
@@ -340,6 +341,8 @@ def convert_to_naive_amp(
         output_to_fp32: Cast the model's outputs to fp32 (False on pipeline stages that are
             not the last).
     """
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    names = [[by_id.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     wrapped: nn.Module
     if isinstance(model, nn.ModuleList):
         last = len(model) - 1
@@ -348,4 +351,7 @@ def convert_to_naive_amp(
         )
     else:
         wrapped = NaiveAMPModel(model, output_to_fp32)
-    return wrapped, NaiveAMPOptimizer(optimizer, **dict(amp_config or {}))
+    amp_optimizer = NaiveAMPOptimizer(optimizer, **dict(amp_config or {}))
+    if all(n is not None for group in names for n in group):  # checkpoints name the masters
+        amp_optimizer.set_param_names([[str(n) for n in group] for group in names])
+    return wrapped, amp_optimizer

@@ -58,7 +58,7 @@ def accumulate_gradient(
     """
     optim = GradAccumOptimizer(optimizer, accumulate_size, model)
     loader = GradAccumDataloader(dataloader, accumulate_size) if dataloader is not None else None
-    handlers = (
+    handlers: list[BaseGradientHandler] | None = (
         [GradAccumGradientHandler(h, accumulate_size) for h in gradient_handlers]
         if gradient_handlers is not None
         else None

@@ -47,7 +47,8 @@ class NonPipelineSchedule(BaseSchedule):
             ValueError: ``return_loss=False`` without ``forward_only``.
         """
         self._check_flags(forward_only, return_loss)
-        if return_loss and engine.criterion is None:
+        criterion = engine.criterion
+        if return_loss and criterion is None:
             raise ValueError(
                 "the engine has no criterion: pass criterion to initialize(...) or "
                 "return_loss=False"
@@ -56,8 +57,8 @@ class NonPipelineSchedule(BaseSchedule):
         loss = None
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             output = call_model(engine, data)
-            if return_loss:
-                loss = call_criterion(engine.criterion, output, label)
+            if criterion is not None and return_loss:
+                loss = call_criterion(criterion, output, label)
         if not forward_only:
             assert loss is not None
             engine.backward(loss)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -156,6 +156,15 @@ class GradAccumOptimizer(OptimizerWrapper):
         return result
 
     # ---- everything else is the inner optimizer's ----------------------------------------------
+    @property
+    def param_names(self) -> tuple[tuple[str, ...], ...] | None:
+        """The inner optimizer's parameter names."""
+        return self.inner.param_names
+
+    def set_param_names(self, param_names: Sequence[Sequence[str]]) -> None:
+        """Name the inner optimizer's parameters."""
+        self.inner.set_param_names(param_names)
+
     def get_grad_norm(self, norm_type: float = 2.0) -> float | None:
         """The inner optimizer's gradient norm."""
         return self.inner.get_grad_norm(norm_type)

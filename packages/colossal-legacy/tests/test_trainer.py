@@ -3,6 +3,7 @@ data parallelism with gradient accumulation and clipping equal to one process.""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -12,7 +13,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from colossal.core.testing import distributed_test
-from colossal.legacy import init_context, initialize
+from colossal.legacy import ParallelMode, init_context, initialize
+from colossal.legacy.builder import build_pipeline_model
 from colossal.legacy.core import gpc
 from colossal.legacy.engine import Engine
 from colossal.legacy.nn.metric import Accuracy
@@ -254,4 +256,76 @@ def test_fit_with_data_parallel_accumulation_and_clipping_equals_one_process(
     dist.all_gather_object(locals_, local)
     assert any(v != pytest.approx(accuracy) for v in locals_), (locals_, accuracy)
     assert trainer.cur_step == EPOCHS * TRAIN // (2 * MICRO)
+    gpc.destroy()
+
+
+# ---- pipeline x data parallelism ---------------------------------------------------------------
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@distributed_test(4)
+def test_fit_under_pipeline_and_data_parallelism_keeps_metrics_on_the_last_stage(
+    rank: int, world_size: int
+) -> None:
+    """Catches metrics computed (or reduced, or logged) on a stage without losses, a
+    reduction over the wrong group, and a hang when stages read metrics differently."""
+    torch.set_num_threads(1)
+    init_context(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=2), verbose=False)
+    stage = build_pipeline_model(_layers())
+    train = get_dataloader(_dataset(16, 1), batch_size=4)
+    test = get_dataloader(_dataset(16, 4), batch_size=4)
+    engine, train, test, _ = initialize(
+        stage, torch.optim.SGD(stage.parameters(), lr=LR), nn.CrossEntropyLoss(), train, test,
+        verbose=False,
+    )  # fmt: skip
+    logger = logging.getLogger(f"test_trainer.pipeline.{rank}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    handler = _Messages()
+    logger.handlers = [handler]
+    trainer = Trainer(engine)
+    trainer.fit(train, 1, test_dataloader=test, hooks=[
+        hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.LogMetricByEpochHook(logger)
+    ])  # fmt: skip
+
+    model = _layers()  # one process, global batches of 2 data-parallel ranks x 4 samples
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses = _dataset(16, 1), []
+    for start in (0, 8):
+        x, y = data[start : start + 8]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    x, y = _dataset(16, 4)[:]
+    with torch.no_grad():
+        logits = model(x)
+    test_losses = [nn.functional.cross_entropy(logits[i : i + 8], y[i : i + 8]).item()
+                   for i in (0, 8)]  # fmt: skip
+    metrics = trainer.states["metrics"]
+    if gpc.is_pipeline_last_stage():
+        train_loss = metrics["train"]["LossMetric"].get_accumulated_value()
+        assert train_loss == pytest.approx(sum(losses) / 2, rel=1e-5)
+        test_loss = metrics["test"]["LossMetric"].get_accumulated_value()
+        assert test_loss == pytest.approx(sum(test_losses) / 2, rel=1e-5)
+        accuracy = metrics["test"]["AccuracyMetric"].get_accumulated_value()
+        assert accuracy == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+    else:
+        assert metrics == {"train": {}, "test": {}}
+    logs_here = gpc.is_pipeline_last_stage() and gpc.get_local_rank(ParallelMode.DATA) == 0
+    assert len(handler.messages) == (2 if logs_here else 0), handler.messages
     gpc.destroy()

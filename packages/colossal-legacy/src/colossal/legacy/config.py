@@ -17,7 +17,7 @@ from types import ModuleType
 __all__ = ["Config", "load_config"]
 
 
-class Config(dict):  # type: ignore[type-arg]
+class Config(dict[str, object]):
     """A dict whose keys are also attributes; nested dicts become Configs.
 
     Args:
@@ -52,9 +52,9 @@ class Config(dict):  # type: ignore[type-arg]
     def __delattr__(self, name: str) -> None:
         del self[name]
 
-    def update(self, other: Mapping[str, object] = (), **kwargs: object) -> None:  # type: ignore[override]
+    def update(self, other: Mapping[str, object] | None = None, **kwargs: object) -> None:  # type: ignore[override]
         """Merge keys in (nested dicts become Configs)."""
-        for key, value in dict(other, **kwargs).items():
+        for key, value in {**(other or {}), **kwargs}.items():
             self[key] = value
 
     @staticmethod

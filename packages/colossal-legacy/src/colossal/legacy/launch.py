@@ -60,7 +60,13 @@ def get_default_parser() -> argparse.ArgumentParser:
 
 
 def _settings(config: Config) -> ParallelSettings:
-    return parse_parallel(config.get("parallel"), tuple(INITIALIZER_MAPPING))  # type: ignore[arg-type]
+    parallel = config.get("parallel")
+    if parallel is not None and not isinstance(parallel, Mapping):
+        raise ValueError(
+            f"parallel must be a dict like dict(pipeline=2, tensor=dict(size=4, mode='2d')), "
+            f"got {parallel!r}"
+        )
+    return parse_parallel(parallel, tuple(INITIALIZER_MAPPING))
 
 
 def init_context(config: ConfigLike = None, seed: int = 1024, verbose: bool = True) -> None:

@@ -77,7 +77,7 @@ def build_layer(config: Mapping[str, object]) -> nn.Module:
     kwargs = {k: v for k, v in config.items() if k != "type"}
     for registry in (LAYERS, MODELS):
         if registry.has(name):
-            return registry.get_module(name)(**kwargs)  # type: ignore[operator, no-any-return]
+            return registry.get_module(name)(**kwargs)  # type: ignore[operator]
     factory = getattr(nn, name, None)
     if not (isinstance(factory, type) and issubclass(factory, nn.Module)):
         raise ValueError(

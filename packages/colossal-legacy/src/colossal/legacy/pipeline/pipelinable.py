@@ -100,7 +100,7 @@ class PipelinableContext:
             built.append(module)
 
         self._saved_init = saved
-        nn.Module.__init__ = recording_init  # type: ignore[method-assign]
+        nn.Module.__init__ = recording_init  # type: ignore[method-assign, assignment]
         self._lazy.__enter__()
         return self
 

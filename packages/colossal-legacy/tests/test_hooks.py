@@ -1,7 +1,5 @@
-"""Trainer hooks in one process: lr schedules, logging, checkpoints, throughput, TensorBoard.
-
-(The metric hooks at world 2 are compared with one process in test_trainer.py.)
-"""
+"""Trainer hooks: lr schedules, logging, checkpoints, throughput, TensorBoard, and the groups
+metrics are reduced over (Trainer.fit's metrics at world 2 and 4 are in test_trainer.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from colossal.core.testing import distributed_test
+from colossal.legacy import init_context
+from colossal.legacy.core import gpc
 from colossal.legacy.engine import Engine
 from colossal.legacy.nn.metric import Accuracy
 from colossal.legacy.registry import HOOKS
@@ -240,3 +241,34 @@ def test_hooks_are_registered_by_name() -> None:
         assert HOOKS.get_module(name) is getattr(hooks, name)
     built: Any = HOOKS.build(dict(type="LossHook", priority=3))
     assert isinstance(built, hooks.LossHook) and built.priority == 3
+
+
+@distributed_test(2)
+def test_metrics_reduce_over_the_ranks_sharing_the_data(rank: int, world_size: int) -> None:
+    """Catches a reduction over the wrong group: DATA with data parallelism, SEQUENCE_DP
+    (each rank a part of every sample) under sequence parallelism, none with a pipeline."""
+    cases = [  # (config, reduced over both ranks?)
+        ({}, True),
+        (dict(parallel=dict(tensor=dict(size=2, mode="sequence"))), True),
+        (dict(parallel=dict(pipeline=2)), False),
+    ]
+    for config, reduced in cases:
+        init_context(config, verbose=False)
+        loss = hooks.LossMetric(epoch_only=True)
+        for value in (1.0 + rank, 3.0 + rank):  # rank 0: 1, 3; rank 1: 2, 4
+            loss.update(torch.tensor(value))
+        accuracy = hooks.AccuracyMetric(epoch_only=True, accuracy_func=Accuracy())
+        logits = torch.eye(3)[[0, 1, 2, 0]]  # predicts 0, 1, 2, 0
+        accuracy.update(logits, torch.tensor([0, 1, 2, 0]) if rank == 0 else torch.zeros(4))
+        samples = hooks.ThroughputMetric(epoch_only=True, use_local=False)
+        samples.update(4, 2.0)
+        if reduced:
+            assert loss.get_accumulated_value() == 2.5  # (1 + 3 + 2 + 4) / 4
+            assert accuracy.get_accumulated_value() == 6 / 8  # rank 0: 4 of 4, rank 1: 2 of 4
+        else:
+            assert loss.get_accumulated_value() == 2.0 + rank
+            assert accuracy.get_accumulated_value() == (1.0 if rank == 0 else 0.5)
+        assert loss.get_last_step_value() == 3.0 + rank  # this rank's own
+        # Throughput counts samples once per data-parallel rank (sequence ranks share them).
+        assert samples.get_accumulated_value() == (4.0 if config == {} else 2.0)
+        gpc.destroy()

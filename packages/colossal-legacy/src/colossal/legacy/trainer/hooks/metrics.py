@@ -1,7 +1,8 @@
 """Metrics the metric hooks keep in ``trainer.states['metrics']``.
 
-Accumulated values are summed over the data-parallel group (``gpc``'s DATA mode) before they
-are divided, so with data parallelism they equal one process that saw every rank's samples.
+Accumulated values are summed over the ranks that share a model replica's data (``gpc``'s
+DATA group; SEQUENCE_DP under sequence parallelism, whose ranks each see part of every
+sample) before they are divided, so they equal one process that saw every rank's samples.
 Reading a reduced value is a collective: every rank of the group reads it (the hooks do).
 """
 
@@ -26,15 +27,30 @@ __all__ = [
     "Metric",
     "ThroughputMetric",
     "dp_sum",
+    "metric_mode",
 ]
 
 
-def dp_sum(values: torch.Tensor) -> torch.Tensor:
-    """``values`` summed over this rank's data-parallel group (a copy; itself without one)."""
+def metric_mode() -> ParallelMode:
+    """The group metrics are reduced over: SEQUENCE_DP under sequence parallelism, else DATA."""
+    if gpc.is_initialized(ParallelMode.SEQUENCE_DP):
+        return ParallelMode.SEQUENCE_DP
+    return ParallelMode.DATA
+
+
+def _size(mode: ParallelMode) -> int:
+    return gpc.get_world_size(mode) if gpc.is_initialized(mode) else 1
+
+
+def dp_sum(values: torch.Tensor, mode: ParallelMode | None = None) -> torch.Tensor:
+    """``values`` summed over ``mode``'s group (:func:`metric_mode`'s by default).
+
+    Returns a copy; without such a group (or with one rank in it) the values themselves.
+    """
+    mode = metric_mode() if mode is None else mode
     out = values.detach().clone()
-    if not gpc.is_initialized(ParallelMode.DATA) or gpc.get_world_size(ParallelMode.DATA) == 1:
-        return out
-    dist.all_reduce(out, group=gpc.get_group(ParallelMode.DATA))
+    if _size(mode) > 1:
+        dist.all_reduce(out, group=gpc.get_group(mode))
     return out
 
 
@@ -259,9 +275,8 @@ class ThroughputMetric(Metric):
     def _value(self, counts: torch.Tensor) -> torch.Tensor:
         if self.use_local:
             return counts
-        dp = gpc.get_world_size(ParallelMode.DATA) if gpc.is_initialized(ParallelMode.DATA) else 1
-        summed = dp_sum(counts)
-        summed[1:] /= dp  # time and steps: the ranks' mean
+        summed = dp_sum(counts, ParallelMode.DATA)  # sequence-parallel ranks share samples
+        summed[1:] /= _size(ParallelMode.DATA)  # time and steps: the ranks' mean
         return summed
 
     def get_last_step_value(self) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colossal.core import GradientAccumulator
+from colossal.core import GradientAccumulator, OptimizerWrapper
 from colossal.pipeline.ir import RECVS, Action, ActionType, ScheduleIR, TimelineEvent
 from colossal.pipeline.microbatch import merge_outputs
 from colossal.pipeline.p2p import PendingRecv, PipelineP2P
@@ -22,7 +22,7 @@ RECV_LOOKAHEAD = 4
 """Default of :class:`StageExecutor`'s ``recv_lookahead``."""
 
 
-def call_chunk(chunk: nn.Module, inputs: Any) -> Any:
+def call_chunk(chunk: nn.Module, inputs: object) -> Any:
     """Call a model chunk: a dict is passed as keywords, a list/tuple as positional args."""
     if isinstance(inputs, Mapping):
         return chunk(**inputs)
@@ -75,9 +75,9 @@ class StageExecutor:
         stage_manager: PipelineStageManager,
         chunks: Sequence[nn.Module],
         p2p: PipelineP2P,
-        microbatches: Sequence[Any],
+        microbatches: Sequence[object],
         criterion: Callable[[Any, Any], torch.Tensor],
-        optimizer: Any | None = None,
+        optimizer: OptimizerWrapper | None = None,
         return_outputs: bool = False,
         record_timeline: bool = False,
         recv_lookahead: int = RECV_LOOKAHEAD,
@@ -158,7 +158,8 @@ class StageExecutor:
             if grads is None:  # the loss
                 self.optimizer.backward(tensors[0], **kw)
             else:
-                self.optimizer.backward_by_grad(tensors, grads, **kw)
+                # torch.autograd.backward takes the lists; the wrappers pass them through
+                self.optimizer.backward_by_grad(tensors, grads, **kw)  # type: ignore[arg-type]
 
     def _wait_grads(self, key: Key) -> list[torch.Tensor] | None:
         """The gradients of a chunk's outputs (``None`` for the loss), waiting if in flight."""

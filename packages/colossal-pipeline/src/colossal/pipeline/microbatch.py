@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
-Batch = torch.Tensor | Mapping[str, Any]
+Batch = torch.Tensor | Mapping[str, object]
+"""A batch: a tensor, or a dict of tensors (split along dimension 0) and other values."""
+
+_T = TypeVar("_T")
 
 
 def batch_size(batch: Batch) -> int:
@@ -90,19 +93,24 @@ def split_batch(batch: Batch, num_microbatches: int) -> list[Batch]:
     ]
 
 
-def merge_outputs(outputs: Sequence[Any]) -> Any:
+def merge_outputs(outputs: Sequence[_T]) -> _T | None:
     """Concatenate per-microbatch outputs along dimension 0 (recursively through containers).
 
+    The result has the structure (and type) of each output; None when there are none.
     Scalar tensors are stacked; non-tensor leaves are kept from the first microbatch.
     """
+    return cast("_T | None", _merge(outputs))
+
+
+def _merge(outputs: Sequence[Any]) -> Any:
     if not outputs:
         return None
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(list(outputs)) if first.dim() == 0 else torch.cat(list(outputs), dim=0)
     if isinstance(first, Mapping):
-        return {k: merge_outputs([o[k] for o in outputs]) for k in first}
+        return {k: _merge([o[k] for o in outputs]) for k in first}
     if isinstance(first, (list, tuple)):
-        merged = [merge_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        merged = [_merge([o[i] for o in outputs]) for i in range(len(first))]
         return merged if isinstance(first, list) else tuple(merged)
     return first

@@ -153,7 +153,7 @@ class PipelineP2P:
         """Number of transfers whose metadata was received."""
 
     # ---- sending -----------------------------------------------------------------------
-    def _messages(self, obj: Any, key: tuple[int, int]) -> list[torch.Tensor]:
+    def _messages(self, obj: object, key: tuple[int, int]) -> list[torch.Tensor]:
         tensors, spec = flatten(obj)
         meta = TreeMeta(spec, tuple((tuple(t.shape), t.dtype) for t in tensors))
         _, payload = meta.offsets()
@@ -239,7 +239,7 @@ class PipelineP2P:
             self._pinned = None
 
     def exchange(
-        self, sends: Sequence[tuple[Any, int, int]], recvs: Sequence[tuple[int, int]]
+        self, sends: Sequence[tuple[object, int, int]], recvs: Sequence[tuple[int, int]]
     ) -> list[PendingRecv]:
         """Post sends and receives together.
 
@@ -275,7 +275,7 @@ class PipelineP2P:
             pending.append(p)
         return pending
 
-    def send(self, obj: Any, dst: int, tag: int = 0) -> None:
+    def send(self, obj: object, dst: int, tag: int = 0) -> None:
         """Start sending ``obj`` to global rank ``dst`` (finish with :meth:`wait_sends`)."""
         self.exchange([(obj, dst, tag)], [])
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 
-from colossal.core import get_accelerator
+from colossal.core import OptimizerWrapper, get_accelerator
 from colossal.pipeline.executor import RECV_LOOKAHEAD, StageExecutor
 from colossal.pipeline.generators import (
     forward_only,
@@ -20,7 +20,12 @@ from colossal.pipeline.generators import (
     zero_bubble_v,
 )
 from colossal.pipeline.ir import ScheduleIR, TimelineEvent
-from colossal.pipeline.microbatch import batch_size, resolve_num_microbatches, split_batch
+from colossal.pipeline.microbatch import (
+    Batch,
+    batch_size,
+    resolve_num_microbatches,
+    split_batch,
+)
 from colossal.pipeline.p2p import PipelineP2P
 from colossal.pipeline.shared import SharedParamGradSync
 from colossal.pipeline.simulate import ActionCosts
@@ -43,7 +48,15 @@ def _require_manager(stage_manager: object) -> PipelineStageManager:
     return stage_manager
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+@overload
+def _to_device(batch: Batch, device: torch.device) -> Batch: ...
+
+
+@overload
+def _to_device(batch: object, device: torch.device) -> object: ...
+
+
+def _to_device(batch: object, device: torch.device) -> object:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
@@ -170,9 +183,9 @@ class PipelineSchedule(ABC):
     def forward_backward_step(
         self,
         model: nn.Module | Sequence[nn.Module],
-        data_iter: Iterator[Any],
+        data_iter: Iterator[Batch],
         criterion: Callable[[Any, Any], torch.Tensor],
-        optimizer: Any | None = None,
+        optimizer: OptimizerWrapper | None = None,
         return_loss: bool = False,
         return_outputs: bool = False,
         sync_shared_params: bool = True,

@@ -11,7 +11,7 @@ import torch
 Spec = tuple
 
 
-def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
+def flatten(obj: object) -> tuple[list[torch.Tensor], Spec]:
     """Split ``obj`` into its tensors (depth first) and a spec that rebuilds it.
 
     Raises:

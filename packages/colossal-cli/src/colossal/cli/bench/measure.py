@@ -10,18 +10,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
+
+from colossal.core import OptimizerWrapper
 
 __all__ = ["TorchCommCounter", "local_nbytes", "model_state_bytes"]
 
 
-def local_nbytes(t: Any) -> int:
+def local_nbytes(t: object) -> int:
     """Bytes this rank holds for ``t`` (the local shard of a DTensor); 0 for non-tensors."""
     if not isinstance(t, torch.Tensor):
         return 0
     to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        t = to_local()
-    return t.numel() * t.element_size()
+    local: torch.Tensor = to_local() if callable(to_local) else t
+    return local.numel() * local.element_size()
 
 
 def _find_memory_report(optimizer: Any) -> Any:
@@ -32,7 +34,7 @@ def _find_memory_report(optimizer: Any) -> Any:
     return None
 
 
-def model_state_bytes(model: nn.Module, optimizer: Any) -> tuple[int, str]:
+def model_state_bytes(model: nn.Module, optimizer: Optimizer | OptimizerWrapper) -> tuple[int, str]:
     """Bytes of parameters, gradients and optimizer states this rank holds now.
 
     Uses the optimizer's own ``memory_report()`` (ZeRO) when it has one, since only it knows

@@ -16,7 +16,7 @@ the replica (the ranks of a tensor-parallel group or a pipeline must see the sam
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,10 @@ from torch import nn
 
 from colossal.cli.bench.configs import BenchConfig
 from colossal.cli.bench.gpt import GPT, GPTConfig
+
+if TYPE_CHECKING:  # the meta-package is optional for the CLI: never imported at run time here
+    from colossal.booster import Booster
+    from colossal.core import OptimizerWrapper
 
 __all__ = ["StepFn", "build_model", "data_replica", "hf_gpt2", "make_step", "mean_over_holders"]
 
@@ -60,7 +64,7 @@ def build_model(cfg: BenchConfig, model_cfg: GPTConfig) -> nn.Module:
     return hf_gpt2(model_cfg) if cfg.workload == "hf-gpt2" else GPT(model_cfg)
 
 
-def data_replica(plugin: Any) -> tuple[int, int]:
+def data_replica(plugin: object) -> tuple[int, int]:
     """``(index, count)`` of this rank's data-parallel replica.
 
     Every rank is a replica of its own (``(rank, world)``) unless the plugin has a
@@ -82,7 +86,9 @@ def _hf_loss(outputs: Any, microbatch: Any) -> torch.Tensor:
     return outputs.loss
 
 
-def make_step(cfg: BenchConfig, booster: Any, model: nn.Module, optimizer: Any) -> StepFn:
+def make_step(
+    cfg: BenchConfig, booster: Booster, model: nn.Module, optimizer: OptimizerWrapper
+) -> StepFn:
     """The forward and backward of one step of ``cfg``.
 
     The returned function gives the loss, or None on a pipeline stage before the last.

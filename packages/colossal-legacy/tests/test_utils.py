@@ -244,3 +244,36 @@ def test_checkpoint_is_read_by_the_booster_and_back(
     for a, b in zip(other.parameters(), third.parameters(), strict=True):
         assert torch.equal(a, b)
     gpc.destroy()
+
+
+@distributed_test(2)
+def test_zero_engine_checkpoint_loads_into_one_process(
+    rank: int, world_size: int, tmp_path: Path
+) -> None:
+    """Catches a ZeRO engine whose optimizer states are saved unnamed or as this rank's
+    shard only: the loaded Adam state must equal one process's on the same samples."""
+    torch.set_num_threads(1)
+    init_context(dict(zero=dict(stage=2)), verbose=False)
+    model = _model()
+    engine, *_ = initialize(model, torch.optim.Adam(model.parameters(), lr=0.1), verbose=False)
+    reference = _model()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        batch = torch.randn(4, 4, generator=g)
+        engine.zero_grad()
+        engine.backward(engine(batch[2 * rank : 2 * rank + 2]).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        reference(batch).square().mean().backward()
+        ref_opt.step()
+    target = tmp_path / "zero"
+    save_checkpoint(target, 2, engine.model, engine.optimizer)
+    fresh = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    assert load_checkpoint(target, fresh, fresh_opt) == 2
+    for a, b in zip(reference.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(_adam_state(ref_opt), _adam_state(fresh_opt), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    gpc.destroy()

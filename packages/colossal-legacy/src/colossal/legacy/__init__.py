@@ -8,8 +8,11 @@ with hooks.
 """
 
 from colossal.legacy.__about__ import __version__
+from colossal.legacy.amp import AMP_TYPE, convert_to_amp
 from colossal.legacy.config import Config
 from colossal.legacy.context import ParallelMode
+from colossal.legacy.core import global_context
+from colossal.legacy.engine import Engine
 from colossal.legacy.initialize import initialize
 from colossal.legacy.launch import (
     get_default_parser,
@@ -19,11 +22,18 @@ from colossal.legacy.launch import (
     launch_from_slurm,
     launch_from_torch,
 )
+from colossal.legacy.trainer import Trainer, hooks
 
 __all__ = [
+    "AMP_TYPE",
     "Config",
+    "Engine",
     "ParallelMode",
+    "Trainer",
     "__version__",
+    "convert_to_amp",
+    "global_context",
+    "hooks",
     "get_default_parser",
     "init_context",
     "initialize",

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from colossal.checkpoint_io import group_param_names
 from colossal.core import OptimizerWrapper, get_accelerator
 from colossal.core.comm import broadcast
 from colossal.legacy.amp import AMP_TYPE, convert_to_amp
@@ -83,12 +84,14 @@ def _unwrap(optimizer: Optimizer | OptimizerWrapper) -> Optimizer:
 
 
 def _zero_optimizer(
-    optimizer: Optimizer | OptimizerWrapper, features: EngineFeatures
+    model: nn.Module, optimizer: Optimizer | OptimizerWrapper, features: EngineFeatures
 ) -> LowLevelZeroOptimizer:
     assert features.zero is not None
     tp = gpc.tensor_parallel_size > 1 and gpc.tensor_parallel_mode != "sequence"
-    return LowLevelZeroOptimizer(
-        _unwrap(optimizer),
+    inner = _unwrap(optimizer)
+    names = group_param_names(inner, model)  # before ZeRO takes over the param groups
+    zero = LowLevelZeroOptimizer(
+        inner,
         partition_grad=features.zero.stage == 2,
         dp_process_group=gpc.get_group(_data_mode()),
         tp_process_group=gpc.get_group(ParallelMode.TENSOR) if tp else None,
@@ -99,6 +102,8 @@ def _zero_optimizer(
         ),
         **features.zero.optimizer_kwargs,
     )
+    zero.set_param_names(names)  # what save_checkpoint names the states by
+    return zero
 
 
 def _ddp(model: nn.Module, mode: ParallelMode, options: dict[str, Any]) -> DistributedDataParallel:
@@ -171,7 +176,7 @@ def initialize(
 
     if features.zero is not None:
         _sync_params(model, mode)
-        optimizer = _zero_optimizer(optimizer, features)
+        optimizer = _zero_optimizer(model, optimizer, features)
     elif features.amp_mode is AMP_TYPE.NAIVE:
         model, optimizer = convert_to_naive_amp(
             model,

@@ -10,14 +10,16 @@ optionally async, and never replace a good checkpoint until they are complete.
 from __future__ import annotations
 
 from colossal.checkpoint_io.index import CheckpointError, read_index
+from colossal.checkpoint_io.names import group_param_names
 from colossal.checkpoint_io.reader import TensorReader
 from colossal.checkpoint_io.template import MODEL_INDEX, OPTIMIZER_INDEX, CheckpointIO
 
 __all__ = [
-    "MODEL_INDEX",
-    "OPTIMIZER_INDEX",
     "CheckpointError",
     "CheckpointIO",
+    "MODEL_INDEX",
+    "OPTIMIZER_INDEX",
     "TensorReader",
+    "group_param_names",
     "read_index",
 ]

@@ -57,7 +57,10 @@ INTEGRATION_DIR = REPO / "integration-tests"
 TORCH = "torch==2.13.0"  # also pinned in constraints.txt; always installed first, explicitly
 
 # Distribution name -> the import it is checked by. Default: "colossal-x-y" -> "colossal.x_y".
-IMPORT_NAMES = {"colossal": "colossal.booster"}
+IMPORT_NAMES = {"colossal": "colossal.booster", "colossalai-compat": "colossalai"}
+# Distributions of this repository outside the `colossal-*` naming: opt-in, never a dependency
+# of another package here (colossalai-compat ships the top-level `colossalai`, DESIGN.md).
+OPT_IN = frozenset({"colossalai-compat"})
 # Modules that importing a distribution's packages must not pull in (DESIGN.md: plugins load
 # their heavy dependencies only when used).
 MUST_STAY_UNIMPORTED = {
@@ -128,9 +131,9 @@ def _default_import_name(dist: str) -> str:
 
 
 def _is_sibling(req: Requirement) -> bool:
-    """A requirement on a distribution of this repository (``colossal``, ``colossal-*``)."""
+    """A requirement on a distribution of this repository (``colossal``, ``colossal-*``, opt-in)."""
     name = canonicalize_name(req.name)
-    return name == "colossal" or name.startswith("colossal-")
+    return name == "colossal" or name.startswith("colossal-") or name in OPT_IN
 
 
 def _sibling_names(reqs: tuple[Requirement, ...]) -> list[str]:
@@ -196,6 +199,9 @@ def sibling_closure(session: nox.Session, roots: list[str]) -> list[str]:
         problem = packages[dist].problem
         if problem is not None:
             session.error(problem)
+        if dist in OPT_IN and dist not in roots:
+            needed_by = [p.dist for p in packages.values() if dist in p.siblings]
+            session.error(f"{dist} is opt-in: {', '.join(needed_by)} must not depend on it")
         order.append(dist)
         pending.extend(packages[dist].siblings)
     return order

@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from colossalai import _messages
 from colossalai._entries import Served
+from colossalai._messages import NotServedAttributeError, NotServedError
 from colossalai._resolve import load_name
 from colossalai._table import TABLE
 
@@ -74,8 +75,8 @@ def _from_import(frame: FrameType | None) -> bool:
 
 def _raise(message: str, path: str, from_import: bool) -> NoReturn:
     if from_import:
-        raise ImportError(message, name=path)
-    raise AttributeError(message)
+        raise _messages.NotServedError(message, name=path)
+    raise _messages.NotServedAttributeError(message)
 
 
 def attribute(
@@ -99,7 +100,7 @@ def attribute(
     if name in row.names:
         try:
             return load_name(path, name, row.names[name], row.issue)
-        except (ImportError, AttributeError) as exc:
+        except (NotServedError, NotServedAttributeError) as exc:
             _raise(str(exc), path, from_import)
     if name in row.hints:  # ColossalAI's name that we do not serve (even if target has one)
         _raise(_messages.missing_name(path, name, row.hints[name]), path, from_import)
@@ -124,7 +125,7 @@ def attribute(
 def _import_child(path: str, name: str, from_import: bool) -> ModuleType:
     try:
         return importlib.import_module(f"{path}.{name}")
-    except ImportError as exc:
+    except NotServedError as exc:  # an ImportError inside an existing module propagates
         _raise(str(exc), path, from_import)
 
 
@@ -132,7 +133,7 @@ def _from_included(path: str, child: str, name: str, notes: list[str]) -> object
     """``name`` from the included child alias ``path.child``; notes why a child is missing."""
     try:
         module = importlib.import_module(f"{path}.{child}")
-    except ImportError as exc:
+    except NotServedError as exc:
         notes.append(str(exc))
         return _NOT_FOUND
     if not isinstance(module, AliasModule):
@@ -145,7 +146,7 @@ def _from_included(path: str, child: str, name: str, notes: list[str]) -> object
             name,
             target_error=module.__compat_target_error__,
         )
-    except (AttributeError, ImportError):
+    except (NotServedError, NotServedAttributeError):
         if module.__compat_target_error__:
             notes.append(module.__compat_target_error__)
         return _NOT_FOUND
@@ -168,13 +169,13 @@ def public_names(path: str, row: Served, target: ModuleType | None) -> list[str]
     for name, spec in row.names.items():
         try:
             load_name(path, name, spec, row.issue)
-        except (ImportError, AttributeError):
+        except (NotServedError, NotServedAttributeError):
             continue
         names.add(name)
     for child in row.include:
         try:
             module = importlib.import_module(f"{path}.{child}")
-        except ImportError:
+        except NotServedError:
             continue
         names.update(getattr(module, "__all__", ()))
     return sorted(names - set(row.hints))

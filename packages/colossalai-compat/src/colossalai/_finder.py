@@ -48,7 +48,7 @@ class AliasFinder(MetaPathFinder, Loader):
         hint = found.row.hint if isinstance(found.row, Missing) else None
         issue = found.row.issue if isinstance(found.row, Missing) else None
         message = _messages.not_served(fullname, hint, issue, TABLE)
-        raise ModuleNotFoundError(message, name=fullname)
+        raise _messages.NotServedError(message, name=fullname)
 
     def create_module(self, spec: ModuleSpec) -> ModuleType:
         """An empty :class:`AliasModule` (the import system then sets ``__path__``...)."""
@@ -69,7 +69,7 @@ class AliasFinder(MetaPathFinder, Loader):
         if row.target is not None:
             try:
                 imported = import_target(found)
-            except ModuleNotFoundError as exc:
+            except _messages.NotServedError as exc:
                 if not row.partial:
                     raise
                 error = str(exc)

@@ -9,12 +9,23 @@ from colossalai._entries import ISSUE_TODAY
 
 __all__ = [
     "NOT_IMPLEMENTED",
+    "NotServedAttributeError",
+    "NotServedError",
     "missing_name",
     "no_counterpart",
     "not_built",
     "not_served",
     "unknown_name",
 ]
+
+
+class NotServedError(ModuleNotFoundError):
+    """A ColossalAI path or name colossalai-compat does not serve (not built, not mapped)."""
+
+
+class NotServedAttributeError(AttributeError):
+    """A name a served module does not have, on attribute access (``hasattr`` is False)."""
+
 
 #: The phrase every "Colossal has nothing for this" message contains.
 NOT_IMPLEMENTED = "not implemented in Colossal"

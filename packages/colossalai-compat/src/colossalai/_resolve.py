@@ -93,9 +93,9 @@ def import_target(found: Lookup) -> ModuleType:
                 msg = _messages.no_counterpart(
                     found.path, found.ancestor, found.ancestor_target, exc.name or row.target
                 )
-                raise ModuleNotFoundError(msg, name=found.path) from None
+                raise _messages.NotServedError(msg, name=found.path) from None
         msg = _messages.not_built(found.path, row.target, row.issue)
-        raise ModuleNotFoundError(msg, name=found.path) from exc
+        raise _messages.NotServedError(msg, name=found.path) from exc
 
 
 def load_name(path: str, name: str, spec: str, issue: int | None) -> object:
@@ -112,10 +112,10 @@ def load_name(path: str, name: str, spec: str, issue: int | None) -> object:
         if not _is_missing_module(exc, module_name):
             raise
         why = _messages.not_built(f"{path}.{name}", spec, issue)
-        raise ModuleNotFoundError(why, name=path) from exc
+        raise _messages.NotServedError(why, name=path) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         why = f"maps to {spec}, which {module_name} does not define (not built yet"
         why += f", issue {issue})" if issue is not None else ")"
-        raise AttributeError(_messages.missing_name(path, name, why)) from None
+        raise _messages.NotServedAttributeError(_messages.missing_name(path, name, why)) from None

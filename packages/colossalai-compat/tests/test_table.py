@@ -126,12 +126,12 @@ def test_import_forms_of_the_seeds() -> None:
 
     import colossal.booster
     import colossal.kernels
-    import colossal.legacy.core
     from colossal.legacy.context import ParallelMode as OurMode
+    from colossal.legacy.context import global_context
 
     assert colossalai.booster.Booster is colossal.booster.Booster
     assert colossalai.booster.plugin.TorchDDPPlugin is colossal.booster.TorchDDPPlugin
-    assert gpc is colossal.legacy.core.gpc
+    assert gpc is global_context
     assert ParallelMode is OurMode
     assert HybridAdam is colossal.kernels.HybridAdam
     assert colossalai.launch.__module__ == "colossalai._launch"

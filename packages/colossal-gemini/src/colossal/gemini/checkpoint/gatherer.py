@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from colossal.core import get_accelerator
 from colossal.core.comm import all_gather, group_ranks, recv, send
+from colossal.gemini.chunk import Chunk
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ChunkGatherer:
 
     def buffer(
         self,
-        chunk: Any,
+        chunk: Chunk,
         state: str,
         shard: Callable[[], torch.Tensor],
         dst: int | None = None,

@@ -11,26 +11,26 @@ training resumes bit-identically to the run that saved.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
 from colossal.core import FlatRange
 from colossal.core.comm import all_gather
+from colossal.gemini.chunk import Chunk, ChunkManager
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["load_piece", "param_part", "refresh_chunks"]
 
 
-def param_part(chunk: Any, param: nn.Parameter) -> FlatRange:
+def param_part(chunk: Chunk, param: nn.Parameter) -> FlatRange:
     """The elements of the flattened ``param`` this rank's shard of ``chunk`` holds."""
     start, stop, _ = chunk.tensor_shard(param, source="master")
     return FlatRange(start, stop)
 
 
-def load_piece(chunk: Any, param: nn.Parameter, values: torch.Tensor) -> None:
+def load_piece(chunk: Chunk, param: nn.Parameter, values: torch.Tensor) -> None:
     """Write this rank's elements of ``param`` (``param_part``'s) into its master piece.
 
     Without a master (fp32 chunks, frozen chunks) the shard itself is written. Call
@@ -49,7 +49,7 @@ def load_piece(chunk: Any, param: nn.Parameter, values: torch.Tensor) -> None:
         view.copy_(values.reshape(-1))
 
 
-def refresh_chunks(manager: Any) -> None:
+def refresh_chunks(manager: ChunkManager) -> None:
     """Make every chunk's shard and payload follow its (loaded) master; collective.
 
     As after an optimizer step: the master is cast into the shard; a kept-gathered payload is

@@ -16,7 +16,7 @@ by chunk gathers each chunk once.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,12 @@ from torch import nn
 from colossal.core import FlatRange, Placed, Placement, ShardedTensor
 from colossal.core.comm import all_gather_object
 from colossal.gemini.checkpoint.gatherer import ChunkGatherer
-from colossal.gemini.chunk.placements import piece_placements, whole_shape
+from colossal.gemini.chunk import Chunk
+from colossal.gemini.chunk.placements import ChunkGroups, piece_placements, whole_shape
+
+if TYPE_CHECKING:
+    from colossal.gemini.ddp import GeminiDDP
+    from colossal.gemini.optim import GeminiOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +62,11 @@ class ChunkTensor(Placed):
 
     def __init__(
         self,
-        chunk: Any,
+        chunk: Chunk,
         param: nn.Parameter,
         gatherer: ChunkGatherer | None = None,
         position: int = 0,
-        manager: Any = None,
+        manager: ChunkGroups | None = None,
     ) -> None:
         self.chunk, self.param = chunk, param
         self.info = chunk.infos[param]
@@ -137,14 +142,14 @@ class ChunkStateTensor(ChunkTensor):
 
     def __init__(
         self,
-        chunk: Any,
+        chunk: Chunk,
         param: nn.Parameter,
         state: str,
         dtype: torch.dtype,
         pieces: dict[tuple[int, int], torch.Tensor],
         gatherer: ChunkGatherer | None = None,
         position: int = 0,
-        manager: Any = None,
+        manager: ChunkGroups | None = None,
     ) -> None:
         super().__init__(chunk, param, gatherer, position, manager)
         self.state, self._dtype, self._pieces = state, dtype, pieces
@@ -173,11 +178,14 @@ class _ChunkGroup:
     extra_dp_size = 1
     extra_dp_group = None
 
-    def __init__(self, chunk: Any) -> None:
-        self.group = getattr(chunk, "group", getattr(chunk, "_group", None))
+    def __init__(self, chunk: Chunk) -> None:
+        group = getattr(chunk, "group", getattr(chunk, "_group", None))
+        self.group: dist.ProcessGroup | None = group
 
 
-def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str, ChunkTensor]:
+def model_shards(
+    module: GeminiDDP, gatherer: ChunkGatherer | None = None
+) -> dict[str, ChunkTensor]:
     """Every managed parameter of a ``GeminiDDP`` as a :class:`ChunkTensor`, chunk by chunk.
 
     Each parameter appears once, under the name it was registered with (tied weights once).
@@ -196,7 +204,7 @@ def model_shards(module: Any, gatherer: ChunkGatherer | None = None) -> dict[str
 
 
 def _summary(
-    optimizer: Any,
+    optimizer: GeminiOptimizer,
 ) -> tuple[dict[str, dict[str, tuple]], dict[tuple[int, str], dict[tuple[int, int], torch.Tensor]]]:
     """This rank's state kinds by parameter name, and its elementwise pieces per chunk."""
     kinds: dict[str, dict[str, tuple]] = {}
@@ -218,8 +226,8 @@ def _summary(
 
 
 def optimizer_shards(
-    optimizer: Any, gatherer: ChunkGatherer | None = None
-) -> dict[str, dict[str, Any]]:
+    optimizer: GeminiOptimizer, gatherer: ChunkGatherer | None = None
+) -> dict[str, dict[str, object]]:
     """Each trainable parameter's optimizer states, by name, in chunk order.
 
     Elementwise states (shaped like this rank's piece of the parameter) become
@@ -240,7 +248,7 @@ def optimizer_shards(
             for name, entry in theirs.items():
                 merged.setdefault(name, {}).update(entry)
         kinds = merged
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for position, chunk in enumerate(manager.chunks):
         if not chunk.requires_grad:
             continue

@@ -30,12 +30,13 @@ issued.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from colossal.core.comm import all_gather, all_reduce, reduce_scatter
+from colossal.core.comm import CommWork, all_gather, all_reduce, reduce_scatter
 from colossal.gemini.chunk.base import ChunkBase, TensorInfo, _round_up
 from colossal.gemini.chunk.states import IllegalStateTransition, TensorState, check_transition
 from colossal.gemini.chunk.storage import Location, check_location, nbytes, physical_device
@@ -175,7 +176,7 @@ class Chunk(ChunkBase):
         self._originals.clear()
 
     # ----------------------------------------------------------------- gather / release
-    def gather(self, *, async_op: bool = False) -> Any | None:
+    def gather(self, *, async_op: bool = False) -> CommWork | None:
         """All-gather the shards into the payload; every tensor ``FREE -> HOLD``.
 
         A no-op when already gathered. With ``async_op`` the collective's handle is returned
@@ -318,9 +319,9 @@ class Chunk(ChunkBase):
         *,
         average: bool = True,
         accumulate: bool = False,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         async_op: bool = False,
-    ) -> Any | None:
+    ) -> CommWork | None:
         """Reduce the gradient buffer over the group into this rank's gradient shard.
 
         One reduce-scatter (``keep_gathered``: one all-reduce, then this rank's slice);

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,25 @@ logger = logging.getLogger(__name__)
 __all__ = ["ChunkManager", "ChunkSpec"]
 
 _Kind = tuple[str, torch.dtype, bool, bool]
+
+
+class PlacementLike(Protocol):
+    """Where one chunk lives: ``colossal.gemini.memory.ChunkPlacement`` or alike."""
+
+    @property
+    def keep_gathered(self) -> bool:
+        """Keep the full payload on every rank (not sharded)."""
+        ...
+
+    @property
+    def shard_location(self) -> Location:
+        """Where this rank's parameter shard lives."""
+        ...
+
+    @property
+    def master_location(self) -> Location:
+        """Where the fp32 master shard, its gradient shard and the optimizer states live."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,7 @@ class ChunkManager:
         self.extra_dp_size = dist.get_world_size(extra_dp_group) \
             if extra_dp_group is not None and dist.is_initialized() else 1
         self._replicas_pending = False  # gradient shards not yet averaged over extra_dp_group
-        self._plan: list[Any] | None = None  # placements for the chunks still to be built
+        self._plan: list[PlacementLike] | None = None  # placements for the chunks still to be built
         self.chunks: list[Chunk] = []
         self._open: dict[_Kind, Chunk] = {}
         self._chunk_of: dict[nn.Parameter, Chunk] = {}
@@ -251,7 +270,7 @@ class ChunkManager:
             ))
         return specs
 
-    def set_plan(self, placements: Sequence[Any] | None) -> None:
+    def set_plan(self, placements: Sequence[PlacementLike] | None) -> None:
         """Build the coming chunks where ``placements`` (one per chunk, by chunk id) says.
 
         Each new chunk is created kept gathered or sharded with its shard and optimizer side
@@ -365,7 +384,7 @@ class ChunkManager:
         """Chunks prefetched and not accessed yet."""
         return list(self._prefetched.values())
 
-    def apply_placement(self, placements: Sequence[Any]) -> None:
+    def apply_placement(self, placements: Sequence[PlacementLike]) -> None:
         """Apply one placement per chunk (``colossal.gemini.memory.ChunkPlacement`` or alike).
 
         For each chunk, in order: switch ``keep_gathered`` (see

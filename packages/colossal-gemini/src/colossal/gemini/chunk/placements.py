@@ -8,7 +8,7 @@ replicas of that shard (``"dp_replicate"``). Checkpoint IO and the gradient norm
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,12 @@ from colossal.core import (
 )
 from colossal.core.grad_norm import NormTerm, norm_term
 from colossal.core.sharded import shard_spec
+from colossal.gemini.chunk.chunk import Chunk
+from colossal.gemini.chunk.manager import ChunkManager
 
 __all__ = [
     "DP_AXIS",
+    "ChunkGroups",
     "REPLICA_AXIS",
     "norm_group",
     "piece_norm_terms",
@@ -39,8 +42,27 @@ REPLICA_AXIS = "dp_replicate"
 """The axis of extra data parallelism (replicas of the shards)."""
 
 
+class ChunkGroups(Protocol):
+    """The groups chunks are laid out over: a :class:`ChunkManager`, or a stand-in."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The chunks' (data-parallel) group; None: the whole job."""
+        ...
+
+    @property
+    def extra_dp_size(self) -> int:
+        """Replicas of every shard (extra data parallelism); 1 without."""
+        ...
+
+    @property
+    def extra_dp_group(self) -> dist.ProcessGroup | None:
+        """The group of a shard's replicas."""
+        ...
+
+
 def piece_placements(
-    chunk: Any, param: nn.Parameter, manager: Any, implied: ImpliedAxes | None = None
+    chunk: Chunk, param: nn.Parameter, manager: ChunkGroups, implied: ImpliedAxes | None = None
 ) -> tuple[Placement, ...]:
     """The placements of this rank's piece of ``param`` in ``chunk``."""
     start, stop = chunk.shard_range(param)
@@ -51,7 +73,7 @@ def piece_placements(
     return tuple(out)
 
 
-def whole_shape(chunk: Any, param: nn.Parameter) -> torch.Size:
+def whole_shape(chunk: Chunk, param: nn.Parameter) -> torch.Size:
     """Shape of the whole tensor ``param`` is (a part of): its record's, else as chunked.
 
     (A managed parameter's own tensor may be an empty placeholder; the chunk knows its shape.)
@@ -60,7 +82,9 @@ def whole_shape(chunk: Any, param: nn.Parameter) -> torch.Size:
     return torch.Size(spec.shape) if spec is not None else torch.Size(chunk.infos[param].shape)
 
 
-def norm_group(manager: Any, implied: ImpliedAxes | None = None) -> dist.ProcessGroup | None:
+def norm_group(
+    manager: ChunkManager, implied: ImpliedAxes | None = None
+) -> dist.ProcessGroup | None:
     """The group the gradient norm is reduced over.
 
     The chunks' group, or the whole job when a parameter lies along other axes too (or the
@@ -75,7 +99,7 @@ def norm_group(manager: Any, implied: ImpliedAxes | None = None) -> dist.Process
 
 
 def piece_norm_terms(
-    chunks: list[Any], manager: Any, group: dist.ProcessGroup | None,
+    chunks: list[Chunk], manager: ChunkGroups, group: dist.ProcessGroup | None,
     implied: ImpliedAxes | None = None,
 ) -> list[list[tuple[int, int, NormTerm]]]:
     """Per chunk, ``(offset in the shard, length, term)`` of each parameter's piece."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,13 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkSearchResult", "search_chunk_configuration"]
+__all__ = ["ChunkSearchResult", "ParamSizes", "SizeLike", "search_chunk_configuration"]
+
+SizeLike = torch.Tensor | int | Sequence[int]
+"""A parameter's size: the tensor itself, its element count, or its shape."""
+
+ParamSizes = nn.Module | Mapping[str, SizeLike] | Iterable[SizeLike | tuple[str, SizeLike]]
+"""What :func:`search_chunk_configuration` sizes: a module, names -> sizes, or sizes/pairs."""
 
 _M = 2**20
 _BLOCK = 16384
@@ -109,7 +115,7 @@ def _check_positive(name: str, value: Any, *, integer: bool, allow_zero: bool = 
 
 
 def search_chunk_configuration(
-    model_or_params: Any,
+    model_or_params: ParamSizes,
     search_range_m: float = 32,
     search_interval: int = 1024,
     min_chunk_size_m: float = 32,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -123,7 +123,7 @@ class GeminiDDP(ModelWrapper):
         process_group: ProcessGroup | None = None,
         extra_dp_group: ProcessGroup | None = None,
         precision: str = "fp16",
-        chunk_config_dict: dict[str, Any] | None = None,
+        chunk_config_dict: Mapping[str, int | bool] | None = None,
         search_range_m: float = 32,
         hidden_dim: int | None = None,
         min_chunk_size_m: float = 32,
@@ -134,7 +134,7 @@ class GeminiDDP(ModelWrapper):
         warmup_non_model_data_ratio: float = 0.8,
         steady_cuda_cap_ratio: float = 0.9,
         device_memory_limit: int | str | None = None,
-        memstats: MemStats | None = None,
+        memstats: MemStats[nn.Parameter] | None = None,
         pin_memory: bool = False,
         force_outputs_fp32: bool = False,
         strict_ddp_mode: bool = False,
@@ -230,8 +230,9 @@ class GeminiDDP(ModelWrapper):
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _ordered_params(module: nn.Module, memstats: MemStats | None) -> list[tuple[str,
-                                                                                  nn.Parameter]]:
+    def _ordered_params(
+        module: nn.Module, memstats: MemStats[nn.Parameter] | None
+    ) -> list[tuple[str, nn.Parameter]]:
         named = list(module.named_parameters())  # tied parameters once
         if memstats is None:
             return named
@@ -243,7 +244,7 @@ class GeminiDDP(ModelWrapper):
     @staticmethod
     def _chunk_size(
         named: list[tuple[str, nn.Parameter]],
-        config: dict[str, Any] | None,
+        config: Mapping[str, int | bool] | None,
         world: int,
         search_range_m: float,
         min_chunk_size_m: float,
@@ -423,7 +424,7 @@ class GeminiDDP(ModelWrapper):
         return names
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor],  # type: ignore[override]
-                        strict: bool = True) -> Any:
+                        strict: bool = True) -> None:
         """Load full tensors into the shards and masters (each rank takes its slices).
 
         A tied parameter is read under any of its names.

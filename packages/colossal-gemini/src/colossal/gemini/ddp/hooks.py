@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
+from colossal.core.comm import CommWork
 from colossal.gemini.chunk import Chunk, ChunkManager, TensorState
 from colossal.gemini.ddp.order import BackwardWalk, ForwardRecord
 from colossal.gemini.ddp.outside import DERIVED, METADATA_GETTERS, OutsideUseMode
@@ -82,7 +84,7 @@ class ChunkRuntime:
     def __init__(
         self,
         manager: ChunkManager,
-        reduce_group: Any,
+        reduce_group: ProcessGroup | None,
         *,
         accumulate: bool = False,
         before_gather: Callable[..., None] | None = None,
@@ -177,8 +179,8 @@ class ChunkRuntime:
             self.watch.pop(key, None)
         self._derived.clear()
 
-    def outside_call(self, func: Callable[..., Any], args: Sequence[Any],
-                     kwargs: dict[str, Any]) -> Any:
+    def outside_call(self, func: Callable[..., object], args: Sequence[object],
+                     kwargs: Mapping[str, object]) -> object:
         """Run one operator that uses managed parameters outside their module, as a call.
 
         Gather the chunks of the parameters (and of the derived views) it reads, record the
@@ -217,7 +219,7 @@ class ChunkRuntime:
             self._after_outside_call(call, chunks, out)
         return out
 
-    def _after_outside_call(self, call: int, chunks: list[Chunk], out: Any) -> None:
+    def _after_outside_call(self, call: int, chunks: list[Chunk], out: object) -> None:
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         storages = {c.payload.untyped_storage().data_ptr(): c for c in chunks
                     if c.payload is not None and not c.keep_gathered}
@@ -327,7 +329,7 @@ class ChunkRuntime:
             if evict and self.before_gather is not None and not self.fits(nbytes):
                 self.before_gather(needed, self.step, nbytes)
 
-    def _launch(self, chunk: Chunk) -> Any:
+    def _launch(self, chunk: Chunk) -> CommWork | None:
         if not chunk.keep_gathered and chunk.world_size > 1:
             self._make_room(chunk.shard_bytes, [chunk])  # the reduce-scatter's output
         accumulate = self.accumulate and chunk.grad_shard is not None

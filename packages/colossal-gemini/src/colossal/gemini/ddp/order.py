@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from colossal.core.comm import CommWork
 from colossal.gemini.chunk import Chunk
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class BackwardWalk:
         *,
         gather: Callable[[Chunk], None],
         release: Callable[[Chunk], None],
-        launch: Callable[[Chunk], Any],
+        launch: Callable[[Chunk], CommWork | None],
         prefetch: Callable[[Sequence[Chunk]], None] | None = None,
     ) -> None:
         self._entries = list(reversed(record.entries))
@@ -110,7 +110,8 @@ class BackwardWalk:
         self._done: set[int] = set()  # chunk ids whose last entry is passed
         self._next_launch = 0
         self.launched: list[Chunk] = []
-        self._in_flight: list[tuple[Chunk, Any]] = []  # launched, not finished, in order
+        # launched, not finished, in order
+        self._in_flight: list[tuple[Chunk, CommWork | None]] = []
         self.finished = False
 
     # ------------------------------------------------------------------ walk

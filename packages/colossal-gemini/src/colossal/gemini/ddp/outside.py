@@ -21,7 +21,8 @@ may be read again before then); other chunks follow the module hooks' release ru
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from torch.overrides import TorchFunctionMode
 
@@ -60,8 +61,9 @@ class OutsideUseMode(TorchFunctionMode):
         super().__init__()
         self._rt = runtime
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         if kwargs is None:
             kwargs = {}
         rt = self._rt

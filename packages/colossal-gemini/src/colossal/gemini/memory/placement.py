@@ -207,7 +207,7 @@ class AutoPlacement:
 
     warmup_non_model_data_ratio: float = 0.8
     steady_cuda_cap_ratio: float = 0.9
-    memstats: MemStats | None = field(default=None, compare=False)
+    memstats: MemStats[ChunkLike] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_frac("warmup_non_model_data_ratio", self.warmup_non_model_data_ratio)
@@ -218,7 +218,7 @@ class AutoPlacement:
                 f"{type(self.memstats).__name__}"
             )
 
-    def with_memstats(self, memstats: MemStats) -> AutoPlacement:
+    def with_memstats(self, memstats: MemStats[ChunkLike]) -> AutoPlacement:
         """This policy with a trace (end of warm-up)."""
         return AutoPlacement(self.warmup_non_model_data_ratio, self.steady_cuda_cap_ratio,
                              memstats)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Generic, Literal, TypeVar
 
 Phase = Literal["forward", "backward"]
 
+_T_co = TypeVar("_T_co", covariant=True)
+_U = TypeVar("_U")
+
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepRecord(Generic[_T_co]):
     """One traced step: a module's forward or backward (module-level granularity).
 
     Attributes:
@@ -32,10 +35,10 @@ class StepRecord:
     start_bytes: int
     end_bytes: int
     peak_bytes: int
-    uses: tuple[Any, ...] = field(default=())
+    uses: tuple[_T_co, ...] = field(default=())
 
 
-class MemStats:
+class MemStats(Generic[_T_co]):
     """Non-model memory per traced step and the order in which model data is used.
 
     "Non-model" memory is everything a step keeps live except model data (parameters,
@@ -53,13 +56,13 @@ class MemStats:
         ValueError: The step indices are not consecutive from 0.
     """
 
-    def __init__(self, steps: Iterable[StepRecord] = ()) -> None:
-        self._steps: tuple[StepRecord, ...] = tuple(steps)
+    def __init__(self, steps: Iterable[StepRecord[_T_co]] = ()) -> None:
+        self._steps: tuple[StepRecord[_T_co], ...] = tuple(steps)
         for i, rec in enumerate(self._steps):
             if rec.index != i:
                 raise ValueError(f"step record {i} has index {rec.index}; indices must be 0..n-1")
         self._use_index: dict[int, list[int]] = {}
-        self._objects: dict[int, Any] = {}
+        self._objects: dict[int, _T_co] = {}
         for rec in self._steps:
             for obj in rec.uses:
                 self._objects.setdefault(id(obj), obj)
@@ -69,7 +72,7 @@ class MemStats:
 
     # ---- steps -------------------------------------------------------------------------------
     @property
-    def steps(self) -> tuple[StepRecord, ...]:
+    def steps(self) -> tuple[StepRecord[_T_co], ...]:
         """All step records in trace order."""
         return self._steps
 
@@ -94,7 +97,7 @@ class MemStats:
         """The largest non-model peak over all steps (0 for an empty trace)."""
         return max((rec.peak_bytes for rec in self._steps), default=0)
 
-    def uses(self, step: int) -> tuple[Any, ...]:
+    def uses(self, step: int) -> tuple[_T_co, ...]:
         """What ``step`` used, in order of first use within the step."""
         self._check_step(step)
         return self._steps[step].uses
@@ -120,13 +123,13 @@ class MemStats:
         pos = bisect.bisect_left(steps_of, step)
         return steps_of[pos] if pos < len(steps_of) else None
 
-    def first_use_order(self, phase: Phase | None = None) -> list[Any]:
+    def first_use_order(self, phase: Phase | None = None) -> list[_T_co]:
         """Distinct used objects in order of first use (optionally within one phase only).
 
         This is the "order of first use" chunks are packed in.
         """
         seen: set[int] = set()
-        order: list[Any] = []
+        order: list[_T_co] = []
         for rec in self._steps:
             if phase is not None and rec.phase != phase:
                 continue
@@ -136,7 +139,7 @@ class MemStats:
                     order.append(obj)
         return order
 
-    def remap(self, key: Callable[[Any], Hashable | None]) -> MemStats:
+    def remap(self, key: Callable[[_T_co], _U | None]) -> MemStats[_U]:
         """The same trace with every used object replaced by ``key(obj)`` (e.g. its chunk).
 
         Objects mapped to ``None`` are dropped; several objects mapping to one key (the
@@ -151,7 +154,7 @@ class MemStats:
         """
         new_steps = []
         for rec in self._steps:
-            mapped: list[Any] = []
+            mapped: list[_U] = []
             seen: set[int] = set()
             for obj in rec.uses:
                 target = key(obj)

@@ -68,11 +68,11 @@ class _Recorder:
         self.nonmodel: dict[int, int] = {}  # id(storage) -> nbytes
         self.finalizers: list[weakref.finalize] = []
         self.live = 0
-        self.records: list[StepRecord] = []
+        self.records: list[StepRecord[nn.Parameter]] = []
         self.phase: Phase = "forward"
         self.label = "<start>"
         self.start = self.peak = 0
-        self.uses: dict[int, Any] = {}
+        self.uses: dict[int, nn.Parameter] = {}
         self.touched = False
 
     # ---- steps ---------------------------------------------------------------------------
@@ -223,13 +223,13 @@ class RuntimeMemTracer:
             backend = "cuda" if on_cuda and get_accelerator().name == "cuda" else "dispatch"
         self.model = model
         self.backend: Backend = backend
-        self._memstats: MemStats | None = None
+        self._memstats: MemStats[nn.Parameter] | None = None
         self._rec: _Recorder | None = None
         self._mode: _OpMode | None = None
         self._handles: list[Any] = []
 
     @property
-    def memstats(self) -> MemStats:
+    def memstats(self) -> MemStats[nn.Parameter]:
         """The recorded statistics (available after the ``with`` block)."""
         if self._memstats is None:
             raise RuntimeError("no trace recorded yet; run the step inside `with tracer:` first")

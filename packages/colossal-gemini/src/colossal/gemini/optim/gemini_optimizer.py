@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 from colossal.core import (
     DynamicGradScaler,
@@ -216,7 +217,7 @@ class GeminiOptimizer(OptimizerWrapper):
         out = self.chunk_manager.memory_by_kind()
         states = {"device": 0, "host": 0}
         for v in self.master_views:
-            loc = v.chunk.master_location  # type: ignore[attr-defined]
+            loc = v.chunk.master_location
             for t in self.optim.state.get(v.view, {}).values():
                 if isinstance(t, torch.Tensor) and t.numel() == v.numel:
                     states[loc] += t.numel() * t.element_size()
@@ -314,7 +315,7 @@ class GeminiOptimizer(OptimizerWrapper):
                                   "max_norm=... or clip_grad_by_norm()")
 
     # ------------------------------------------------------------------ step
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: None = None) -> None:
         """Unscale, clip and apply the gradient shards; refresh the low-precision shards.
 
         Under fp16 a step whose gradients overflowed on any rank is skipped on every rank:
@@ -383,7 +384,7 @@ class GeminiOptimizer(OptimizerWrapper):
                         state[key] = t.to(v.view.device)
         if self._fused_grads:
             grads = {v.view: v.grad(g) for v in self.master_views
-                     if (g := v.chunk.grad_shard) is not None}  # type: ignore[attr-defined]
+                     if (g := v.chunk.grad_shard) is not None}
             fused = cast(_FusedStep, self.optim)  # _step_takes(optim, "grads") said so
             fused.step(div_scale=divisor if divisor != 1.0 else -1.0, grads=grads)
             return
@@ -394,7 +395,7 @@ class GeminiOptimizer(OptimizerWrapper):
                 upcast[chunk.chunk_id] = g if g.dtype == chunk.optim_shard.dtype else \
                     g.to(chunk.optim_shard.dtype)
         for v in self.master_views:
-            flat = upcast.get(v.chunk.chunk_id)  # type: ignore[attr-defined]
+            flat = upcast.get(v.chunk.chunk_id)
             v.view.grad = None if flat is None else v.grad(flat)
         if self._fused_div:
             cast(_FusedStep, self.optim).step(div_scale=divisor if divisor != 1.0 else -1.0)
@@ -415,7 +416,7 @@ class GeminiOptimizer(OptimizerWrapper):
         self._pending_clip = None
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """This rank's optimizer states, keyed by parameter name (local shards, not a collective).
 
         ``"state"`` maps each name this rank holds a piece of to its states (flat tensors of
@@ -433,7 +434,7 @@ class GeminiOptimizer(OptimizerWrapper):
         return {"state": state, "param_groups": groups,
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Restore what :meth:`state_dict` returned on this rank.
 
         Raises:

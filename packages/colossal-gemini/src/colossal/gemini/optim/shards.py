@@ -18,6 +18,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from colossal.gemini.chunk import Chunk
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MasterView", "build_master_views"]
@@ -40,7 +42,7 @@ class MasterView:
 
     name: str
     param: nn.Parameter
-    chunk: object
+    chunk: Chunk
     start: int
     stop: int
     view: torch.Tensor
@@ -67,7 +69,7 @@ class MasterView:
             return flat[offset : offset + self.numel]
         if getattr(self.chunk, "grad_shard", None) is None:
             return None
-        _, _, grad = self.chunk.tensor_shard(self.param, source="grad")  # type: ignore[attr-defined]
+        _, _, grad = self.chunk.tensor_shard(self.param, source="grad")
         return grad
 
     def rebind(self) -> bool:
@@ -76,10 +78,10 @@ class MasterView:
         ``Chunk.move_master`` replaces the master tensor; the view keeps its identity (the
         optimizer's state is keyed by it) and takes the new storage. Returns whether it moved.
         """
-        current = self.chunk.optim_shard  # type: ignore[attr-defined]
+        current = self.chunk.optim_shard
         if current is self.base:
             return False
-        _, _, fresh = self.chunk.tensor_shard(self.param, source="master")  # type: ignore[attr-defined]
+        _, _, fresh = self.chunk.tensor_shard(self.param, source="master")
         self.view.data = fresh
         self.base = current
         return True

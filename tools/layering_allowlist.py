@@ -20,19 +20,6 @@ ALLOWED_DEEP_IMPORTS: dict[tuple[str, str], str] = {
         "packages/colossal/tests/test_async_snapshot.py",
         "colossal.core.io.writer",
     ): "monkeypatches an internal function; a test hook on colossal.core.io would replace it",
-    # found when colossal-legacy entered the layering table: its torch AMP reuses the
-    # booster's autocast pieces (AutocastModel, MixedPrecisionOptimizer), which colossal.booster
-    # does not export; fix: export them from colossal.booster, then import them from there
-    (
-        "packages/colossal-legacy/src/colossal/legacy/amp/torch_amp.py",
-        "colossal.booster.mixed_precision",
-    ): "needs names colossal.booster does not export yet (AutocastModel, MixedPrecisionOptimizer)",
-    # the same: the legacy checkpoints name optimizer states the way checkpoint_io does; fix:
-    # export group_param_names from colossal.checkpoint_io, then import it from there
-    (
-        "packages/colossal-legacy/src/colossal/legacy/utils/checkpointing.py",
-        "colossal.checkpoint_io.names",
-    ): "needs group_param_names, which colossal.checkpoint_io does not export yet",
 }
 # The modules of one import cycle group (a strongly connected component), sorted.
 ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}

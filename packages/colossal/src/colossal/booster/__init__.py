@@ -17,16 +17,19 @@ from typing import Any
 from colossal.booster.__about__ import __version__
 from colossal.booster.booster import Booster
 from colossal.booster.mixed_precision import (
+    AutocastModel,
     BF16MixedPrecision,
     FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
     MixedPrecision,
+    MixedPrecisionOptimizer,
 )
 from colossal.booster.plugin import Boosted, Criterion, DPPluginBase, Plugin
 
 __all__ = [
+    "AutocastModel",
     "BF16MixedPrecision",
     "Boosted",
     "Booster",
@@ -40,6 +43,7 @@ __all__ = [
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
     "MixedPrecision",
+    "MixedPrecisionOptimizer",
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",

@@ -1,7 +1,7 @@
 """AMP_TYPE.TORCH: the forward under fp16 autocast, fp32 weights, a dynamic loss scaler.
 
-Built from the meta-package's Booster pieces (:class:`~colossal.booster.mixed_precision.
-AutocastModel` and :class:`~colossal.booster.mixed_precision.MixedPrecisionOptimizer`) with the
+Built from the meta-package's Booster pieces (:class:`~colossal.booster.
+AutocastModel` and :class:`~colossal.booster.MixedPrecisionOptimizer`) with the
 seeds' ``torch.cuda.amp.GradScaler`` arguments. The scaler's overflow verdict is agreed across
 every rank, so the mode also works with tensor and pipeline parallelism.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.booster.mixed_precision import (
+from colossal.booster import (
     AutocastModel,
     FP16TorchMixedPrecision,
     MixedPrecisionOptimizer,

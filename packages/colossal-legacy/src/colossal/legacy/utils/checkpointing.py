@@ -24,8 +24,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from colossal.checkpoint_io import CheckpointIO
-from colossal.checkpoint_io.names import group_param_names
+from colossal.checkpoint_io import CheckpointIO, group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper
 from colossal.legacy.engine.gradient_accumulation import (
     GradAccumLrSchedulerByStep,

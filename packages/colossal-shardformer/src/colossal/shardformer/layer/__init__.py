@@ -19,6 +19,11 @@ from colossal.shardformer.layer.embedding import (
     VocabParallelLMHead1D,
     padded_vocab_size,
 )
+from colossal.shardformer.layer.full_state import (
+    enable_full_state_dict,
+    full_tensor,
+    local_part,
+)
 from colossal.shardformer.layer.linear import (
     GPT2FusedLinearConv1D_Col,
     GPT2FusedLinearConv1D_Row,
@@ -45,9 +50,12 @@ __all__ = [
     "causal_lm_loss_fn",
     "copy_to_tp_region",
     "cross_entropy_1d",
+    "enable_full_state_dict",
     "enter_tp_region",
+    "full_tensor",
     "gather_from_tp_region",
     "is_in_tp_region",
+    "local_part",
     "padded_vocab_size",
     "reduce_from_tp_region",
     "scale_grad",

@@ -15,6 +15,7 @@ sliding windows, cache offsets and packed sequences).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,7 +88,7 @@ def colossal_mask(
     kv_length: int,
     q_offset: int = 0,
     kv_offset: int = 0,
-    mask_function: Any = None,
+    mask_function: Callable[[int, int, int, int], bool] | None = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:

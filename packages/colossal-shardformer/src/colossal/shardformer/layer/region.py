@@ -42,7 +42,7 @@ def has_tp_region_entry(module: nn.Module) -> bool:
     return getattr(module, _ENTRY_ATTR, False)
 
 
-def set_region_sequence_parallel(module: nn.Module, state: Any) -> None:
+def set_region_sequence_parallel(module: nn.Module, state: object) -> None:
     """Switch ``module``'s region entry to the sequence all-gather (None: back to TP only).
 
     Args:

@@ -10,6 +10,7 @@ duck-typed.
 """
 
 from colossal.shardformer.pipeline.held_layers import HeldLayers
+from colossal.shardformer.pipeline.manager import StageLayoutLike, StageManagerLike
 from colossal.shardformer.pipeline.placeholders import (
     PLACEHOLDER_KINDS,
     StagePlaceholder,
@@ -30,6 +31,8 @@ __all__ = [
     "HeldLayers",
     "SharedParameter",
     "StageForward",
+    "StageLayoutLike",
+    "StageManagerLike",
     "StagePlaceholder",
     "StagePlan",
     "derive_stage_plan",

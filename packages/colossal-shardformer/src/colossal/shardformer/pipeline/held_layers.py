@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import overload
 
 from torch import nn
 
@@ -32,7 +32,13 @@ class HeldLayers(nn.ModuleList):
         """The original indices of the held layers, in order."""
         return [int(k) for k in self._modules]
 
-    def __getitem__(self, idx: Any) -> Any:
+    @overload
+    def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> nn.Module: ...
+
+    def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:
         values = list(self._modules.values())
         if isinstance(idx, slice):
             return nn.ModuleList(values[idx])
@@ -42,7 +48,7 @@ class HeldLayers(nn.ModuleList):
         key = list(self._modules)[idx]
         self.add_module(key, module)
 
-    def __delitem__(self, idx: Any) -> None:
+    def __delitem__(self, idx: int | slice) -> None:
         raise TypeError("a pipeline stage's held layers cannot be deleted")
 
     def append(self, module: nn.Module) -> HeldLayers:

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from colossal.shardformer.policies.base_policy import PolicyMap
 
 __all__ = [
     "PLACEHOLDER_KINDS",
@@ -107,14 +110,14 @@ class StagePlaceholder(nn.Module):
         return f"kind={self.kind!r}, replaces={self.name!r} ({self.original})"
 
 
-def is_placeholder(module: Any) -> bool:
+def is_placeholder(module: object) -> bool:
     """Whether ``module`` stands in for a module of another pipeline stage."""
     return isinstance(module, StagePlaceholder)
 
 
-def resolve_path(module: nn.Module, dotted: str) -> Any:
+def resolve_path(module: nn.Module, dotted: str) -> object:
     """``module.<dotted>``, stopping at a placeholder on the way (None when absent)."""
-    current: Any = module
+    current: object = module
     for part in dotted.split(".") if dotted else []:
         current = getattr(current, part, None)
         if current is None:
@@ -124,7 +127,7 @@ def resolve_path(module: nn.Module, dotted: str) -> Any:
     return current
 
 
-def skip_placeholders(model: nn.Module, policy: dict[Any, Any]) -> dict[Any, Any]:
+def skip_placeholders(model: nn.Module, policy: PolicyMap) -> PolicyMap:
     """Drop the replacements of ``policy`` that land on (or inside) a placeholder.
 
     A pipeline stage holds placeholders where other stages' modules were; the tensor-parallel

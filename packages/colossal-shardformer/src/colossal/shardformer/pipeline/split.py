@@ -5,15 +5,22 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 import torch
 from torch import nn
 
 from colossal.shardformer.pipeline.held_layers import HeldLayers
+from colossal.shardformer.pipeline.manager import StageManagerLike
 from colossal.shardformer.pipeline.placeholders import StagePlaceholder
 from colossal.shardformer.pipeline.plan import StagePlan, base_model_of
 from colossal.shardformer.pipeline.stage import StageForward
+
+if TYPE_CHECKING:
+    from colossal.shardformer.policies.base_policy import Policy
+    from colossal.shardformer.shard.config import ShardConfig
+
+_T = TypeVar("_T")
 
 __all__ = ["SharedParameter", "shallow_copy", "split_into_stages", "stage_layer_ranges"]
 
@@ -58,7 +65,7 @@ def _lookup(root: nn.Module, dotted: str) -> nn.Module | None:
     return current
 
 
-def stage_layer_ranges(manager: Any, num_layers: int) -> list[tuple[int, int]]:
+def stage_layer_ranges(manager: StageManagerLike, num_layers: int) -> list[tuple[int, int]]:
     """``[start, end)`` layer range of each chunk of this stage, checked.
 
     Raises:
@@ -146,15 +153,21 @@ class SharedParameter(dict):
             raise KeyError(stage)
         return self._resolve(stage)
 
-    def get(self, stage: int, default: Any = None) -> Any:
+    @overload
+    def get(self, stage: int, default: None = None) -> torch.Tensor | None: ...
+
+    @overload
+    def get(self, stage: int, default: _T) -> torch.Tensor | _T | None: ...
+
+    def get(self, stage: int, default: object = None) -> object:
         """The parameter of ``stage`` (``default`` when no stage shares it)."""
         return self._resolve(stage) if stage in self._where else default
 
-    def values(self) -> Any:
+    def values(self) -> list[torch.Tensor | None]:  # type: ignore[override]
         """The current parameters (``None`` for stages not on this rank)."""
         return [self._resolve(s) for s in self._where]
 
-    def items(self) -> Any:
+    def items(self) -> list[tuple[int, torch.Tensor | None]]:  # type: ignore[override]
         """``(stage, current parameter)`` pairs."""
         return [(s, self._resolve(s)) for s in self._where]
 
@@ -223,7 +236,7 @@ def _make_chunk(
 
 
 def split_into_stages(
-    model: nn.Module, policy: Any, config: Any
+    model: nn.Module, policy: Policy, config: ShardConfig
 ) -> tuple[list[nn.Module], list[dict[int, torch.Tensor | None]]]:
     """This rank's model chunks and the parameters tied across stages.
 
@@ -249,6 +262,8 @@ def split_into_stages(
     from colossal.shardformer.shard.stack import find_layer_stack
 
     manager = config.pipeline_stage_manager
+    if manager is None:
+        raise ValueError("split_into_stages needs a ShardConfig with a pipeline_stage_manager")
     plan: StagePlan = policy.stage_plan()
     base_path, _ = base_model_of(model)
     layer_path, layers = find_layer_stack(model)

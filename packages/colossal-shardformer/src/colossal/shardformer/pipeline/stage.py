@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from colossal.shardformer.pipeline.placeholders import StagePlaceholder
+from colossal.shardformer.pipeline.plan import StagePlan
 
 __all__ = ["HIDDEN_KEY", "StageForward"]
 
@@ -43,7 +44,7 @@ class StageForward:
     def __init__(
         self,
         chunk: nn.Module,
-        plan: Any,
+        plan: StagePlan,
         base_path: str,
         is_first: bool,
         is_last: bool,

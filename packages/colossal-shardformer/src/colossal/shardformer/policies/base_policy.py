@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from colossal.shardformer.pipeline.manager import StageManagerLike
     from colossal.shardformer.pipeline.plan import StagePlan
     from colossal.shardformer.shard.config import ShardConfig
 
@@ -117,7 +118,7 @@ class Policy(ABC):
         return self.shard_config.tensor_parallel_size
 
     @property
-    def pipeline_stage_manager(self) -> Any:
+    def pipeline_stage_manager(self) -> StageManagerLike | None:
         """The pipeline stage manager of the shard config (None without pipelining)."""
         return None if self.shard_config is None else self.shard_config.pipeline_stage_manager
 

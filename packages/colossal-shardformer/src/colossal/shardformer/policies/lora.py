@@ -24,10 +24,16 @@ layers (fused GPT-2 ``Conv1D``, vocabulary-parallel heads) are refused.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from colossal.shardformer.policies.base_policy import Policy
+
+_P = TypeVar("_P", bound="Policy")
 
 __all__ = ["lora_policy"]
 
@@ -40,7 +46,7 @@ class RegionInputGrad(nn.Module):
         tp_size: Its size.
     """
 
-    def __init__(self, group: Any, tp_size: int) -> None:
+    def __init__(self, group: ProcessGroup | None, tp_size: int) -> None:
         super().__init__()
         self.group = group
         self.tp_size = tp_size
@@ -116,7 +122,7 @@ def _split_adapters(path: str, lora: nn.Module, base: nn.Module, group: Any) -> 
     lora._modules["base_layer"] = base
 
 
-def lora_policy(policy: Any, group: Any) -> Any:
+def lora_policy(policy: _P, group: ProcessGroup | None) -> _P:
     """A copy of ``policy`` that shards peft's LoRA layers (see the module docstring).
 
     Args:

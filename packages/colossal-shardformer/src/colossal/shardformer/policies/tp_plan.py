@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from colossal.shardformer.policies.base_policy import (
     ModulePolicyDescription,
@@ -71,7 +72,9 @@ class ReplicatedGradAllReduce:
     """
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group: Any, **kwargs: Any) -> nn.Module:
+    def from_native_module(
+        cls, module: nn.Module, process_group: ProcessGroup | None, **kwargs: Any
+    ) -> nn.Module:
         """Register the gradient all-reduce on ``module``'s parameters; return ``module``."""
         from colossal.core.comm import all_reduce
 
@@ -87,7 +90,7 @@ class ReplicatedGradAllReduce:
         for p in module.parameters(recurse=True):
             if p.requires_grad:
                 p.register_hook(hook)
-        module.process_group = process_group
+        module.process_group = process_group  # type: ignore[assignment]  # stub: Tensor | Module
         return module
 
 

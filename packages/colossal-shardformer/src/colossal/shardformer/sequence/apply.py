@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -18,6 +18,7 @@ from colossal.shardformer.sequence.stack_hooks import SequenceParallelState, ins
 from colossal.shardformer.shard.stack import find_layer_stack
 
 if TYPE_CHECKING:
+    from colossal.shardformer.policies.base_policy import Policy
     from colossal.shardformer.shard.config import ShardConfig
 
 __all__ = ["apply_sequence_parallelism"]
@@ -28,7 +29,7 @@ _ATTENTION_MODULE = "colossal.shardformer.sequence.attention"
 
 
 def apply_sequence_parallelism(
-    model: nn.Module, config: ShardConfig, policy: Any = None
+    model: nn.Module, config: ShardConfig, policy: Policy | None = None
 ) -> None:
     """Split ``model``'s layer stack along the sequence as ``config`` asks (in place).
 

@@ -18,11 +18,14 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from colossal.shardformer.shard.config import ShardConfig
 
 __all__ = [
     "MODE_LAYOUTS",
@@ -128,7 +131,7 @@ def _ulysses(group: Any, size: int, layout: str) -> Any:
     return forward
 
 
-def install_sequence_attention(model: nn.Module, config: Any) -> None:
+def install_sequence_attention(model: nn.Module, config: ShardConfig) -> None:
     """Make ``model``'s attention the sequence-parallel attention of ``config``'s mode.
 
     Args:

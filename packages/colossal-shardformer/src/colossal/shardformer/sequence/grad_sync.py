@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from colossal.core.comm import all_reduce, group_ranks
@@ -34,7 +35,7 @@ _PARTIAL_ATTR = "_colossal_sequence_partial_grad_group"
 _WORLD = object()  # stands for the default group (None)
 
 
-def mark_partial_grad(param: torch.Tensor, group: Any) -> None:
+def mark_partial_grad(param: torch.Tensor, group: ProcessGroup | None) -> None:
     """Record that ``param``'s gradient is this rank's part of a sum over ``group``.
 
     Args:
@@ -49,7 +50,7 @@ def mark_partial_grad(param: torch.Tensor, group: Any) -> None:
     setattr(param, _PARTIAL_ATTR, _WORLD if group is None else group)
 
 
-def partial_grad_group(param: torch.Tensor) -> tuple[bool, Any]:
+def partial_grad_group(param: torch.Tensor) -> tuple[bool, ProcessGroup | None]:
     """``(marked, group)``: whether :func:`mark_partial_grad` recorded ``param``, and its group."""
     tag = getattr(param, _PARTIAL_ATTR, None)
     if tag is None:

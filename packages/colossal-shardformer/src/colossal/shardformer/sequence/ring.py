@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from colossal.shardformer.sequence.ring_blocks import (
     _block_backward,
@@ -77,7 +78,7 @@ gather them again, holding only this rank's block between forward and backward).
 class _Ring:
     """The ring over a process group: this rank, its neighbours and the block exchange."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         from colossal.core.comm import group_ranks
 
         self.group = group
@@ -171,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
         mask: torch.Tensor | None,
         causal: bool,
         scale: float,
-        group: Any,
+        group: ProcessGroup | None,
         positions: list[torch.Tensor],
         chunks: int,
     ) -> torch.Tensor:
@@ -289,7 +290,7 @@ def ring_attention(
     attention_mask: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     chunks: int = 2,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence, by ring exchange.
@@ -355,7 +356,7 @@ def ring_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     *,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     layout: str = "zigzag",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual alias
@@ -56,6 +56,10 @@ from colossal.shardformer.layer._primitives import scale_grad
 from colossal.shardformer.sequence.grad_sync import mark_partial_grad, partial_grad_group
 from colossal.shardformer.sequence.layout import split_sequence, token_indices
 from colossal.shardformer.sequence.stack_hooks import SequenceParallelState
+
+if TYPE_CHECKING:
+    from colossal.shardformer.policies.base_policy import Policy
+    from colossal.shardformer.shard.config import ShardConfig
 
 __all__ = [
     "HEAD_MODES",
@@ -133,7 +137,7 @@ def _post_stack_modules(model: nn.Module, stack_path: str) -> list[nn.Module] | 
 
 
 def sharded_head_mode(
-    model: nn.Module, config: Any, stack_path: str, policy: Any = None
+    model: nn.Module, config: ShardConfig, stack_path: str, policy: Policy | None = None
 ) -> str | None:
     """How ``model``'s LM head runs on local tokens, or None to keep today's exit gather.
 

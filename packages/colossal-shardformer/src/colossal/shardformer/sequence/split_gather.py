@@ -22,9 +22,9 @@ they are marked for :class:`~colossal.shardformer.sequence.grad_sync.SequencePar
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from colossal.core import shard_spec
 from colossal.shardformer.layer.dropout import DropoutForParallelInput, DropoutForReplicatedInput
@@ -58,7 +58,9 @@ def _switch_dropout(module: DropoutForReplicatedInput) -> None:
     module.__class__ = DropoutForParallelInput  # type: ignore[assignment]  # same state, per-rank masks
 
 
-def install_split_gather(model: nn.Module, layers: nn.ModuleList, group: Any) -> None:
+def install_split_gather(
+    model: nn.Module, layers: nn.ModuleList, group: ProcessGroup | None
+) -> None:
     """Switch ``model``'s layer stack to Megatron sequence parallelism over ``group``.
 
     Args:

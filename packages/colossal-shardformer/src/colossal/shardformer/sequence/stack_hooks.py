@@ -124,8 +124,8 @@ def _slice(value: Any, dim: int, state: SequenceParallelState) -> Any:
 
 
 def slice_sequence_kwargs(
-    kwargs: dict[str, Any], state: SequenceParallelState
-) -> dict[str, Any]:
+    kwargs: dict[str, object], state: SequenceParallelState
+) -> dict[str, object]:
     """``kwargs`` with the :data:`SEQUENCE_KWARGS` entries cut to this rank's tokens."""
     if state.seq_len is None or state.size == 1:
         return kwargs

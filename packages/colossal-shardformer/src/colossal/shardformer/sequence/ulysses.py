@@ -25,13 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 __all__ = ["seq_to_heads", "heads_to_seq", "ulysses_attention_forward"]
 
 logger = logging.getLogger(__name__)
 
 
-def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """One all-to-all of ``x`` (``[P, ...]``, slice ``j`` goes to rank ``j``) over ``group``."""
     from colossal.core.comm import all_to_all
 
@@ -41,14 +42,14 @@ def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _seq_to_heads(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
     b, h, s, d = x.shape
     parts = x.reshape(b, size, h // size, s, d).transpose(0, 1)  # [P, B, H/P, s, D]
     got = _exchange(parts, group)  # got[j]: rank j's tokens of this rank's heads
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
 
 
-def _heads_to_seq(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
     b, h, s, d = x.shape
     parts = x.reshape(b, h, size, s // size, d).permute(2, 0, 1, 3, 4)  # [P, B, H/P, s/P, D]
     got = _exchange(parts, group)  # got[j]: rank j's heads of this rank's tokens
@@ -57,7 +58,7 @@ def _heads_to_seq(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         return _seq_to_heads(x, group, size)
 
@@ -68,7 +69,7 @@ class _SeqToHeads(torch.autograd.Function):
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         return _heads_to_seq(x, group, size)
 
@@ -95,7 +96,7 @@ class _ExchangeQKV(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        group: Any,
+        group: ProcessGroup | None,
         size: int,
         natural: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,7 +160,11 @@ class _ExchangeOut(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, out: torch.Tensor, group: Any, size: int, positions: torch.Tensor | None
+        ctx: Any,
+        out: torch.Tensor,
+        group: ProcessGroup | None,
+        size: int,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor:
         b, s, h, dv = out.shape
         ctx.group, ctx.size, ctx.natural = group, size, None
@@ -187,7 +192,7 @@ class _ExchangeOut(torch.autograd.Function):
         return got.transpose(0, 1), None, None, None
 
 
-def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[B, H, s/P, D]`` (this rank's tokens, all heads) -> ``[B, H/P, s, D]`` (differentiable).
 
     The gathered sequence is the ranks' token slices in rank order; this rank keeps the heads
@@ -207,7 +212,7 @@ def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _SeqToHeads.apply(x, group, size)
 
 
-def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: ``[B, H/P, s, D]`` -> ``[B, H, s/P, D]``."""
     size = dist.get_world_size(group)
     if size == 1:
@@ -225,7 +230,7 @@ def ulysses_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     *,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     positions: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from colossal.shardformer.pipeline.manager import StageManagerLike
 
 __all__ = ["SEQUENCE_PARALLELISM_MODES", "TP_SEQUENCE_MODES", "ShardConfig"]
 
@@ -78,7 +82,7 @@ class ShardConfig:
 
     tensor_parallel_process_group: Any = None
     sequence_parallel_process_group: Any = None
-    pipeline_stage_manager: Any = None
+    pipeline_stage_manager: StageManagerLike | None = None
     enable_tensor_parallelism: bool = True
     enable_fused_normalization: bool = False
     enable_flash_attention: bool = False
@@ -167,7 +171,7 @@ class ShardConfig:
             )
 
     @property
-    def sequence_parallel_group(self) -> Any:
+    def sequence_parallel_group(self) -> ProcessGroup | None:
         """The group the sequence is split over (None: sequence parallelism is off).
 
         ``"split_gather"`` / ``"ring"``: the tensor-parallel group; ``"all_to_all"`` /

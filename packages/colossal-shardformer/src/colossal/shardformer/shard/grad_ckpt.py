@@ -35,6 +35,7 @@ from colossal.shardformer.shard.stack import find_layer_stack
 
 if TYPE_CHECKING:
     from colossal.shardformer.layer.dropout import _SeededDropout
+    from colossal.shardformer.shard.config import ShardConfig
 
 __all__ = ["PipelineGradientCheckpointConfig", "apply_gradient_checkpointing"]
 
@@ -352,7 +353,9 @@ def _enable(layer: nn.Module) -> None:
     setattr(layer, _MARK, True)
 
 
-def apply_gradient_checkpointing(model: nn.Module, config: Any, chunk_id: int = 0) -> None:
+def apply_gradient_checkpointing(
+    model: nn.Module, config: ShardConfig, chunk_id: int = 0
+) -> None:
     """Recompute the first N layers ``model`` (one pipeline chunk) holds in the backward.
 
     N is ``config.gradient_checkpoint_config.get_num_ckpt_layers(stage, num_stages,

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 __all__ = ["install_vocab_parallel_loss", "set_attention_implementation", "tied_parameters"]
 
 logger = logging.getLogger(__name__)
 
 
-def install_vocab_parallel_loss(model: nn.Module, process_group: Any) -> None:
+def install_vocab_parallel_loss(model: nn.Module, process_group: ProcessGroup | None) -> None:
     """Make ``model.loss_function`` the vocab-parallel causal LM loss over ``process_group``.
 
     Use it when the LM head keeps its logits split over the vocabulary

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from colossal.core import shard_spec
 from colossal.shardformer.policies.base_policy import (
@@ -62,7 +63,7 @@ def get_submodule(module: nn.Module, dotted: str) -> nn.Module | None:
     return current
 
 
-def set_attribute(module: nn.Module, dotted: str, value: Any) -> None:
+def set_attribute(module: nn.Module, dotted: str, value: object) -> None:
     """Set ``module.<dotted>`` (a dotted attribute path) to ``value``.
 
     Raises:
@@ -148,7 +149,7 @@ def _replace(
 
 
 def apply_module_policy(
-    model: nn.Module, policy_map: PolicyMap, process_group: Any
+    model: nn.Module, policy_map: PolicyMap, process_group: ProcessGroup | None
 ) -> ShardSummary:
     """Apply ``policy_map`` to ``model`` in place and check the parameters afterwards.
 

@@ -1,0 +1,1 @@
+"""ColossalAI model zoo's ViT (see :mod:`model_zoo.vit.vit`)."""

@@ -1,0 +1,1 @@
+"""The page's ``hybrid_parallel/model`` package: the pipeline ViT builder."""

@@ -38,8 +38,8 @@ LEGACY = ROOT / "examples" / "legacy"
 EPOCHS = 3
 _NUMBER = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
 ENGINE_LOSS = re.compile(rf"Epoch (\d+) - train loss: {_NUMBER}")
-TRAINER_TEST_LOSS = re.compile(rf"\[Epoch (\d+) / Test\]: (?:Loss|LossMetric) = {_NUMBER}")
-TRAINER_TRAIN_LOSS = re.compile(rf"\[Epoch (\d+) / Train\]: (?:Loss|LossMetric) = {_NUMBER}")
+TRAINER_TEST_LOSS = re.compile(rf"\[Epoch (\d+) / Test\]: Loss = {_NUMBER}")
+TRAINER_TRAIN_LOSS = re.compile(rf"\[Epoch (\d+) / Train\]: Loss = {_NUMBER}")
 
 
 def _run(

@@ -96,15 +96,15 @@ class ExpectedLog(hooks.BaseHook):
         self.messages: list[str] = []
 
     def after_train_epoch(self, trainer: Trainer) -> None:
-        loss = trainer.states["metrics"]["train"]["LossMetric"].get_last_step_value()
-        self.messages.append(f"[Epoch {trainer.cur_epoch} / Train]: LossMetric = {loss:.5g}")
+        loss = trainer.states["metrics"]["train"]["Loss"].get_last_step_value()
+        self.messages.append(f"[Epoch {trainer.cur_epoch} / Train]: Loss = {loss:.5g}")
 
     def after_test_epoch(self, trainer: Trainer) -> None:
         test = trainer.states["metrics"]["test"]
-        loss = test["LossMetric"].get_accumulated_value()
-        accuracy = test["AccuracyMetric"].get_accumulated_value()
-        self.messages.append(f"[Epoch {trainer.cur_epoch} / Test]: LossMetric = {loss:.5g}, "
-                             f"AccuracyMetric = {accuracy:.5g}")  # fmt: skip
+        loss = test["Loss"].get_accumulated_value()
+        accuracy = test["Accuracy"].get_accumulated_value()
+        self.messages.append(f"[Epoch {trainer.cur_epoch} / Test]: Loss = {loss:.5g}, "
+                             f"Accuracy = {accuracy:.5g}")  # fmt: skip
 
 
 def test_log_metric_by_epoch_hook_logs_the_metric_values() -> None:
@@ -215,9 +215,9 @@ def test_tensorboard_hook_writes_metrics(monkeypatch: pytest.MonkeyPatch, tmp_pa
     trainer.fit(_batches(2), epochs=1, test_dataloader=_batches(1),
                 hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hook])  # fmt: skip
     tags = [(tag, step) for tag, _, step in FakeWriter.written]
-    assert tags == [("LossMetric/train", 0), ("LossMetric/train", 1), ("LossMetric/test", 0),
-                    ("AccuracyMetric/test", 0)]  # fmt: skip
-    loss = trainer.states["metrics"]["test"]["LossMetric"].get_accumulated_value()
+    assert tags == [("Loss/train", 0), ("Loss/train", 1), ("Loss/test", 0),
+                    ("Accuracy/test", 0)]  # fmt: skip
+    loss = trainer.states["metrics"]["test"]["Loss"].get_accumulated_value()
     assert FakeWriter.written[2][1] == loss
 
 

@@ -164,8 +164,8 @@ def test_evaluate_and_predict_run_the_model_without_gradients() -> None:
         losses = [nn.functional.cross_entropy(model(x), y).item() for x, y in test]
         correct = sum(int((model(x).argmax(-1) == y).sum()) for x, y in test)
     metrics = trainer.states["metrics"]["test"]
-    assert metrics["LossMetric"].get_accumulated_value() == pytest.approx(sum(losses) / 3)
-    assert metrics["AccuracyMetric"].get_accumulated_value() == pytest.approx(correct / 12)
+    assert metrics["Loss"].get_accumulated_value() == pytest.approx(sum(losses) / 3)
+    assert metrics["Accuracy"].get_accumulated_value() == pytest.approx(correct / 12)
     assert all(p.grad is None for p in model.parameters())
     x = test[0][0]
     out = trainer.predict(x)
@@ -179,7 +179,7 @@ def test_progress_bar_shows_epochs_and_step_metrics(capsys: pytest.CaptureFixtur
     trainer.fit(_batches(2), epochs=1, hooks=[hooks.LossHook(), hooks.LogMetricByStepHook()],
                 display_progress=True)  # fmt: skip
     err = capsys.readouterr().err
-    assert "[Epoch 0 / Train]" in err and "2/2" in err and "lossmetric=" in err
+    assert "[Epoch 0 / Train]" in err and "2/2" in err and "loss=" in err
     trainer.fit(_batches(2), epochs=2, display_progress=False)
     assert "[Epoch 1 / Train]" not in capsys.readouterr().err
 
@@ -244,9 +244,9 @@ def test_fit_with_data_parallel_accumulation_and_clipping_equals_one_process(
         trainer.states["metrics"]["train"],
         trainer.states["metrics"]["test"],
     )
-    assert train_metrics["LossMetric"].get_accumulated_value() == pytest.approx(want["train_loss"])
-    assert test_metrics["LossMetric"].get_accumulated_value() == pytest.approx(want["test_loss"])
-    accuracy = test_metrics["AccuracyMetric"].get_accumulated_value()
+    assert train_metrics["Loss"].get_accumulated_value() == pytest.approx(want["train_loss"])
+    assert test_metrics["Loss"].get_accumulated_value() == pytest.approx(want["test_loss"])
+    accuracy = test_metrics["Accuracy"].get_accumulated_value()
     assert accuracy == pytest.approx(want["accuracy"])
     # The ranks' own accuracies differ from the global one: the reduction is what makes it.
     x, y = zip(*[batch for batch in test], strict=True)
@@ -318,11 +318,11 @@ def test_fit_under_pipeline_and_data_parallelism_keeps_metrics_on_the_last_stage
                    for i in (0, 8)]  # fmt: skip
     metrics = trainer.states["metrics"]
     if gpc.is_pipeline_last_stage():
-        train_loss = metrics["train"]["LossMetric"].get_accumulated_value()
+        train_loss = metrics["train"]["Loss"].get_accumulated_value()
         assert train_loss == pytest.approx(sum(losses) / 2, rel=1e-5)
-        test_loss = metrics["test"]["LossMetric"].get_accumulated_value()
+        test_loss = metrics["test"]["Loss"].get_accumulated_value()
         assert test_loss == pytest.approx(sum(test_losses) / 2, rel=1e-5)
-        accuracy = metrics["test"]["AccuracyMetric"].get_accumulated_value()
+        accuracy = metrics["test"]["Accuracy"].get_accumulated_value()
         assert accuracy == pytest.approx((logits.argmax(-1) == y).float().mean().item())
     else:
         assert metrics == {"train": {}, "test": {}}

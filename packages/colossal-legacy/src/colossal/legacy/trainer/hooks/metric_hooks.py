@@ -66,7 +66,7 @@ class MetricHook(BaseHook):
 
 @HOOKS.register_module
 class LossHook(MetricHook):
-    """Keeps the training loss (``'LossMetric'``, per step) and the test loss (per epoch).
+    """Keeps the training loss (``'Loss'``, per step) and the test loss (per epoch).
 
     Args:
         priority: Lower values run earlier.
@@ -83,8 +83,8 @@ class LossHook(MetricHook):
         if self._is_stage_to_compute:
             self.train_loss = LossMetric(epoch_only=False)
             self.test_loss = LossMetric(epoch_only=True)
-            self._add(trainer, "train", "LossMetric", self.train_loss)
-            self._add(trainer, "test", "LossMetric", self.test_loss)
+            self._add(trainer, "train", "Loss", self.train_loss)
+            self._add(trainer, "test", "Loss", self.test_loss)
 
     def before_train_epoch(self, trainer: Trainer) -> None:
         """Start the epoch's training loss."""
@@ -109,7 +109,7 @@ class LossHook(MetricHook):
 
 @HOOKS.register_module
 class AccuracyHook(MetricHook):
-    """Keeps the test accuracy (``'AccuracyMetric'``), over the data-parallel group.
+    """Keeps the test accuracy (``'Accuracy'``), over the data-parallel group.
 
     Args:
         accuracy_func: ``(logits, targets) -> number of correct predictions``, e.g.
@@ -129,7 +129,7 @@ class AccuracyHook(MetricHook):
         self._check_metric_states_initialization(trainer)
         if self._is_stage_to_compute:
             self.metric = AccuracyMetric(epoch_only=True, accuracy_func=self.accuracy_func)
-            self._add(trainer, "test", "AccuracyMetric", self.metric)
+            self._add(trainer, "test", "Accuracy", self.metric)
 
     def before_test(self, trainer: Trainer) -> None:
         """Start counting."""

@@ -118,3 +118,39 @@ def test_pipeline_schedules_equal_the_whole_model(rank: int, world_size: int) ->
     _run(dict(NUM_MICRO_BATCHES=2, clip_grad_norm=CLIP))
     _run(dict(NUM_MICRO_BATCHES=2, model=dict(num_chunks=2), gradient_accumulation=2))
     _run(dict(NUM_MICRO_BATCHES=4, fp16=dict(mode=AMP_TYPE.NAIVE, initial_scale=2**8)))
+
+
+class _Masked(nn.Module):
+    """The seeds' GPT convention: ``forward(hidden_states=None, x=None, mask=None)``; the
+    first stage embeds ``x``, every stage multiplies by the batch's mask."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.embed = nn.Linear(4, 4) if first else None
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, hidden_states=None, x=None, mask=None):  # noqa: ANN001, ANN201
+        if self.embed is not None:
+            hidden_states = self.embed(x)
+        return self.body(hidden_states) * mask
+
+
+@distributed_test(2)
+def test_dict_batches_reach_every_stage(rank: int, world_size: int) -> None:
+    """Catches later stages called without the batch's keys (a padded batch would lose its
+    attention mask after the first stage): the loss must equal the whole model's."""
+    torch.set_num_threads(1)
+    init_context(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=2), verbose=False)
+    torch.manual_seed(0)
+    whole = [_Masked(True), _Masked(False)]
+    x, mask, y = torch.randn(4, 4), (torch.rand(4, 4) > 0.3).float(), torch.randn(4, 4)
+    expected = nn.functional.mse_loss(whole[1](whole[0](x=x, mask=mask), mask=mask), y).item()
+    stage = whole[rank]
+    engine, *_ = initialize(
+        stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.MSELoss(), verbose=False
+    )
+    _, _, loss = engine.execute_schedule(iter([(dict(x=x, mask=mask), y)]))
+    if rank == 1:
+        assert loss is not None and abs(loss.item() - expected) < 1e-6
+    gpc.destroy()

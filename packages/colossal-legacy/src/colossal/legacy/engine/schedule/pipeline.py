@@ -68,15 +68,35 @@ def _unpack(spec: Spec, flat: Mapping[str, Any]) -> Any:
 
 
 class _FirstSlice(nn.Module):
-    """The first model slice, called with a microbatch dict: rebuilds the data for it."""
+    """The first model slice, called with a microbatch dict: rebuilds the data for it.
 
-    def __init__(self, chunk: nn.Module, spec: Spec) -> None:
+    With ``carry`` (dict data), the data travels on with the output so every later slice
+    gets the batch's keys too (ColossalAI's ``model(stage_output, **data)``).
+    """
+
+    def __init__(self, chunk: nn.Module, spec: Spec, carry: bool = False) -> None:
         super().__init__()
         self.chunk = chunk
         self.spec = spec
+        self.carry = carry
 
     def forward(self, **microbatch: Any) -> Any:
-        return call_model(self.chunk, _unpack(self.spec, microbatch))
+        data = _unpack(self.spec, microbatch)
+        out = call_model(self.chunk, data)
+        return (out, data) if self.carry else out
+
+
+class _LaterSlice(nn.Module):
+    """A later slice of a pipeline fed dict data: ``chunk(stage_output, **data)``."""
+
+    def __init__(self, chunk: nn.Module, last: bool) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.last = last
+
+    def forward(self, stage_output: Any, data: Mapping[str, Any]) -> Any:
+        out = self.chunk(stage_output, **data)
+        return out if self.last else (out, data)
 
 
 class _Chunk(nn.Module):
@@ -97,7 +117,8 @@ class PipelineSchedule(BaseSchedule):
 
     The engine's model is this stage's slice (e.g. from
     :func:`colossal.legacy.builder.build_pipeline_model`). Every rank draws the same batch;
-    only the first stage uses its data and only the last its label.
+    a dict batch reaches every stage (``model(stage_output, **data)`` after the first),
+    the label only the last.
 
     Args:
         num_microbatches: Microbatches per batch (the config's ``NUM_MICRO_BATCHES``); the
@@ -168,8 +189,16 @@ class PipelineSchedule(BaseSchedule):
                 f"{type(self).__name__} needs {self.num_model_chunks} model chunk(s) on this "
                 f"stage, the engine's model has {len(chunks)}"
             )
-        if self.stage_manager.stage == 0:  # the first slice is chunk 0 of stage 0
-            chunks[0] = _FirstSlice(chunks[0], spec)
+        # Slice c * stages + s is chunk c of stage s; with dict data every slice gets its keys.
+        carry = spec[0] == "map"
+        stages, stage = self.stage_manager.num_stages, self.stage_manager.stage
+        last = stages * len(chunks) - 1
+        for c, chunk in enumerate(chunks):
+            index = c * stages + stage
+            if index == 0:
+                chunks[c] = _FirstSlice(chunk, spec, carry and index != last)
+            elif carry:
+                chunks[c] = _LaterSlice(chunk, index == last)
         if self.num_model_chunks > 1:
             chunks = [_Chunk(c, i) for i, c in enumerate(chunks)]
         return chunks

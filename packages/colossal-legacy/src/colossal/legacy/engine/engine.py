@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from colossal.core import OptimizerWrapper
 from colossal.legacy.engine.gradient_handler.base import BaseGradientHandler
-from colossal.legacy.engine.schedule.base import BaseSchedule
+from colossal.legacy.engine.schedule.base import BaseSchedule, StepResult
 from colossal.legacy.engine.schedule.non_pipeline import NonPipelineSchedule
 from colossal.legacy.engine.schedule.pipeline import PipelineSchedule
 
@@ -155,7 +155,7 @@ class Engine:
         self._optimizer.zero_grad()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward."""
+        """The model's forward (its output, whatever the model returns)."""
         return self._model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -183,11 +183,11 @@ class Engine:
 
     def execute_schedule(
         self,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         forward_only: bool = False,
         return_loss: bool = True,
         return_output_label: bool = True,
-    ) -> tuple[Any, Any, torch.Tensor | None]:
+    ) -> StepResult:
         """Run one batch of ``data_iter`` through the schedule.
 
         Args:

@@ -22,8 +22,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no types
 
+from colossal.core import OptimizerWrapper
+from colossal.legacy.engine.schedule.base import StepResult
 from colossal.legacy.trainer.hooks.base import BaseHook
 from colossal.legacy.utils.common import is_dp_rank_0, is_no_pp_or_last_stage, is_tp_rank_0
 from colossal.legacy.utils.timer import MultiTimer
@@ -39,7 +42,7 @@ class EngineLike(Protocol):
         """The model."""
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> Optimizer | OptimizerWrapper:
         """The optimizer (what checkpoints save)."""
 
     def train(self) -> None:
@@ -56,11 +59,11 @@ class EngineLike(Protocol):
 
     def execute_schedule(
         self,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         forward_only: bool = False,
         return_loss: bool = True,
         return_output_label: bool = True,
-    ) -> tuple[Any, Any, Any]:
+    ) -> StepResult:
         """Run one step on the next batch of ``data_iter``; ``(output, label, loss)``."""
         ...
 
@@ -110,7 +113,7 @@ class Trainer:
         self,
         engine: EngineLike,
         timer: MultiTimer | None = None,
-        logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
     ) -> None:
         self._engine = engine
         self._timer = timer
@@ -168,7 +171,11 @@ class Trainer:
 
     @property
     def states(self) -> dict[str, Any]:
-        """Shared state of the hooks: ``'metrics'`` (``{'train': {}, 'test': {}}``)..."""
+        """Shared state of the hooks: ``'metrics'`` (``{'train': {}, 'test': {}}``)...
+
+        Any hook may keep anything under its own key (:meth:`BaseHook.init_runner_states`),
+        and callers index into it (``states['metrics']['train']['Loss']``), hence ``Any``.
+        """
         return self._states
 
     @property
@@ -225,7 +232,7 @@ class Trainer:
         return self._max_steps is not None and self._cur_step >= self._max_steps
 
     @staticmethod
-    def _length(loader: Iterable[Any], name: str) -> int:
+    def _length(loader: Iterable[object], name: str) -> int:
         if not isinstance(loader, Sized):
             raise TypeError(
                 f"{name} must have a length (a DataLoader), got {type(loader).__name__}"
@@ -234,7 +241,7 @@ class Trainer:
 
     # ---- loops ---------------------------------------------------------------------------
     def _train_epoch(
-        self, train_dataloader: Iterable[Any], epoch: int, display_progress: bool,
+        self, train_dataloader: Iterable[object], epoch: int, display_progress: bool,
         return_output_label: bool,
     ) -> None:  # fmt: skip
         self._engine.train()
@@ -270,7 +277,7 @@ class Trainer:
         self._call_timer("reset", "Train-epoch")
 
     def _eval(
-        self, test_dataloader: Iterable[Any], epoch: int | None, display_progress: bool,
+        self, test_dataloader: Iterable[object], epoch: int | None, display_progress: bool,
         return_output_label: bool,
     ) -> None:  # fmt: skip
         self._engine.eval()
@@ -306,10 +313,10 @@ class Trainer:
     # ---- public --------------------------------------------------------------------------
     def fit(
         self,
-        train_dataloader: Iterable[Any],
+        train_dataloader: Iterable[object],
         epochs: int,
         max_steps: int | None = None,
-        test_dataloader: Iterable[Any] | None = None,
+        test_dataloader: Iterable[object] | None = None,
         test_interval: int = 1,
         hooks: Sequence[BaseHook] | None = None,
         display_progress: bool = False,
@@ -360,7 +367,7 @@ class Trainer:
 
     def evaluate(
         self,
-        test_dataloader: Iterable[Any],
+        test_dataloader: Iterable[object],
         hooks: Sequence[BaseHook] | None = None,
         display_progress: bool = False,
         return_output_label: bool = True,
@@ -377,8 +384,12 @@ class Trainer:
         self._attach(hooks)
         self._eval(test_dataloader, None, display_progress, return_output_label)
 
-    def predict(self, data: Any) -> Any:
-        """The model's output for ``data`` (a batch without labels), without gradients."""
+    def predict(self, data: object) -> Any:
+        """The model's output for ``data`` (a batch without labels), without gradients.
+
+        Returns:
+            Whatever the model returns (hence ``Any``).
+        """
         self._engine.eval()
         with torch.no_grad():
             output, _, _ = self._engine.execute_schedule(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -13,25 +13,43 @@ from colossal.core import get_accelerator
 if TYPE_CHECKING:
     from colossal.legacy.engine.engine import Engine
 
-__all__ = ["BaseSchedule", "Batch", "call_criterion", "call_model", "move_to_device"]
+__all__ = [
+    "BaseSchedule",
+    "Batch",
+    "StepResult",
+    "call_criterion",
+    "call_model",
+    "move_to_device",
+]
 
-#: What ``data_process_func`` returns and a plain batch is: ``(data, label)``.
-Batch = tuple[Any, Any]
+#: What ``data_process_func`` returns and a plain batch is: ``(data, label)``, each a tensor,
+#: a tuple/list or a dict (of tensors or anything the model and the criterion take).
+Batch = tuple[object, object]
+#: The step's result: ``(output, label, loss)``. The output is whatever the model returned
+#: and the label whatever the batch held (None where not returned), so both stay ``Any``.
+StepResult = tuple[Any, Any, torch.Tensor | None]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def move_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor (through tuples, lists and dicts) moved to ``device``."""
+def move_to_device(obj: _T, device: torch.device) -> _T:
+    """``obj`` with every tensor (through tuples, lists and dicts) moved to ``device``.
+
+    The structure is kept: lists stay lists and tuples tuples; a mapping comes back as a
+    ``dict`` of the same keys.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return cast(_T, obj.to(device, non_blocking=True))
     if isinstance(obj, Mapping):
-        return {k: move_to_device(v, device) for k, v in obj.items()}
+        return cast(_T, {k: move_to_device(v, device) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
         moved = [move_to_device(v, device) for v in obj]
-        return moved if isinstance(obj, list) else tuple(moved)
+        return cast(_T, moved if isinstance(obj, list) else tuple(moved))
     return obj
 
 
-def call_model(model: Callable[..., Any], data: Any) -> Any:
+def call_model(model: Callable[..., _R], data: object) -> _R:
     """``model(data)``; a tuple/list is passed as positional, a dict as keyword arguments."""
     if isinstance(data, Mapping):
         return model(**data)
@@ -40,7 +58,16 @@ def call_model(model: Callable[..., Any], data: Any) -> Any:
     return model(data)
 
 
-def call_criterion(criterion: Callable[..., torch.Tensor], outputs: Any, labels: Any) -> Any:
+def _as_arguments(value: object) -> Mapping[str, object] | Sequence[object]:
+    """A dict or tuple/list as it is (keyword or positional arguments); anything else alone."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, (Mapping, list, tuple)):
+        return (value,)
+    return value
+
+
+def call_criterion(
+    criterion: Callable[..., torch.Tensor], outputs: object, labels: object
+) -> torch.Tensor:
     """The loss of ``outputs`` against ``labels``, unpacked as ColossalAI's schedules do.
 
     Tensors are single arguments, tuples/lists positional ones, dicts keyword ones:
@@ -50,22 +77,18 @@ def call_criterion(criterion: Callable[..., torch.Tensor], outputs: Any, labels:
     Raises:
         TypeError: A dict of outputs with positional labels (their order is unknown).
     """
-    if isinstance(outputs, torch.Tensor) or not isinstance(outputs, (Mapping, list, tuple)):
-        outputs = (outputs,)
-    if labels is None:
-        labels = ()
-    elif isinstance(labels, torch.Tensor) or not isinstance(labels, (Mapping, list, tuple)):
-        labels = (labels,)
-    if isinstance(outputs, Mapping):
-        if not isinstance(labels, Mapping):
+    output_args = _as_arguments(outputs)
+    label_args = () if labels is None else _as_arguments(labels)
+    if isinstance(output_args, Mapping):
+        if not isinstance(label_args, Mapping):
             raise TypeError(
                 "the model returned a dict but the labels are positional; return a tuple "
                 "from the model or give the labels as a dict"
             )
-        return criterion(**outputs, **labels)
-    if isinstance(labels, Mapping):
-        return criterion(*outputs, **labels)
-    return criterion(*outputs, *labels)
+        return criterion(**output_args, **label_args)
+    if isinstance(label_args, Mapping):
+        return criterion(*output_args, **label_args)
+    return criterion(*output_args, *label_args)
 
 
 class BaseSchedule(ABC):
@@ -80,9 +103,10 @@ class BaseSchedule(ABC):
     """
 
     def __init__(self, data_process_func: Callable[[Any], Batch] | None = None) -> None:
+        # Any: the function takes the user's batch as it comes (typed by its author).
         self.data_process_func = data_process_func
 
-    def load_batch(self, data_iter: Iterator[Any] | None, to_gpu: bool = True) -> Batch:
+    def load_batch(self, data_iter: Iterator[object] | None, to_gpu: bool = True) -> Batch:
         """The next batch of ``data_iter`` as ``(data, label)``, on the accelerator's device.
 
         Raises:
@@ -111,11 +135,11 @@ class BaseSchedule(ABC):
     def forward_backward_step(
         self,
         engine: Engine,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         forward_only: bool = False,
         return_loss: bool = True,
         return_output_label: bool = True,
-    ) -> tuple[Any, Any, torch.Tensor | None]:
+    ) -> StepResult:
         """Run one batch; return ``(output, label, loss)`` (None where not asked for)."""
 
     @staticmethod

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from colossal.legacy.engine.schedule.base import BaseSchedule, call_criterion, call_model
+from colossal.legacy.engine.schedule.base import (
+    BaseSchedule,
+    StepResult,
+    call_criterion,
+    call_model,
+)
 
 if TYPE_CHECKING:
     from colossal.legacy.engine.engine import Engine
@@ -25,11 +30,11 @@ class NonPipelineSchedule(BaseSchedule):
     def forward_backward_step(
         self,
         engine: Engine,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         forward_only: bool = False,
         return_loss: bool = True,
         return_output_label: bool = True,
-    ) -> tuple[Any, Any, torch.Tensor | None]:
+    ) -> StepResult:
         """One batch of ``data_iter`` through ``engine``.
 
         Args:

@@ -24,6 +24,7 @@ from colossal.legacy.context.parallel_mode import ParallelMode
 from colossal.legacy.engine.schedule.base import (
     BaseSchedule,
     Batch,
+    StepResult,
     call_criterion,
     call_model,
 )
@@ -206,11 +207,11 @@ class PipelineSchedule(BaseSchedule):
     def forward_backward_step(
         self,
         engine: Engine,
-        data_iter: Iterator[Any],
+        data_iter: Iterator[object],
         forward_only: bool = False,
         return_loss: bool = True,
         return_output_label: bool = True,
-    ) -> tuple[Any, Any, torch.Tensor | None]:
+    ) -> StepResult:
         """One batch through the pipeline: every microbatch's forward and backward.
 
         Returns:
@@ -235,8 +236,7 @@ class PipelineSchedule(BaseSchedule):
             raise ValueError("the engine has no criterion: pass criterion to initialize(...)")
 
         def loss_of(outputs: Any, microbatch: Mapping[str, Any]) -> torch.Tensor:
-            loss: torch.Tensor = call_criterion(criterion, outputs, _unpack(label_spec, microbatch))
-            return loss
+            return call_criterion(criterion, outputs, _unpack(label_spec, microbatch))
 
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             result = self._runner.forward_backward_step(

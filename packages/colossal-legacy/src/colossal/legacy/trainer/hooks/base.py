@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from colossal.legacy.trainer.trainer import Trainer
 
 __all__ = ["BaseHook"]
@@ -60,8 +62,13 @@ class BaseHook:
     def before_train_iter(self, trainer: Trainer) -> None:
         """Before each training step."""
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: Any, label: Any, loss: torch.Tensor | None
+    ) -> None:
         """After each training step (and its optimizer step).
+
+        ``output`` and ``label`` are the user's (whatever the model returns and the batch
+        holds), so they are ``Any``: an override may annotate them as its model's types.
 
         Args:
             trainer: The Trainer.
@@ -85,10 +92,12 @@ class BaseHook:
     def before_test_iter(self, trainer: Trainer) -> None:
         """Before each test step."""
 
-    def after_test_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_test_iter(
+        self, trainer: Trainer, output: Any, label: Any, loss: torch.Tensor | None
+    ) -> None:
         """After each test step (arguments as in :meth:`after_train_iter`)."""
 
-    def init_runner_states(self, trainer: Trainer, key: str, val: Any) -> None:
+    def init_runner_states(self, trainer: Trainer, key: str, val: object) -> None:
         """Set ``trainer.states[key] = val`` unless the key exists already."""
         if key not in trainer.states:
             trainer.states[key] = val

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -13,6 +13,8 @@ from colossal.legacy.trainer.hooks.metric_hooks import LRSchedulerHook
 from colossal.legacy.utils.checkpointing import SchedulerLike, save_checkpoint
 
 if TYPE_CHECKING:
+    import torch
+
     from colossal.legacy.trainer.trainer import Trainer
 
 __all__ = ["SaveCheckpointHook"]
@@ -79,7 +81,9 @@ class SaveCheckpointHook(BaseHook):
             step=steps_done,
         )
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Save every ``interval`` steps (``save_by_iter``)."""
         if self.save_by_iter and (trainer.cur_step + 1) % self.interval == 0:
             self._save(trainer, trainer.cur_step + 1)

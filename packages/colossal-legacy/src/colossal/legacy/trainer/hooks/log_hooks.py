@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from colossal.core import get_dist_logger
 from colossal.legacy.registry import HOOKS
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from colossal.legacy.trainer.trainer import Trainer
 
-    Logger: TypeAlias = logging.Logger | logging.LoggerAdapter[Any]
+    Logger: TypeAlias = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 __all__ = [
     "LogByEpochHook",

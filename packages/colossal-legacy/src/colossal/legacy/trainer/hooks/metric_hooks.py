@@ -19,6 +19,7 @@ from colossal.legacy.trainer.hooks.base import BaseHook
 from colossal.legacy.trainer.hooks.metrics import (
     AccuracyMetric,
     LearningRateMetric,
+    Logits,
     LossMetric,
     Metric,
     ThroughputMetric,
@@ -91,7 +92,9 @@ class LossHook(MetricHook):
         if self.train_loss is not None:
             self.train_loss.reset()
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Add the step's loss."""
         if self.train_loss is not None and loss is not None:
             self.train_loss.update(loss)
@@ -101,7 +104,9 @@ class LossHook(MetricHook):
         if self.test_loss is not None:
             self.test_loss.reset()
 
-    def after_test_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_test_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Add the test step's loss."""
         if self.test_loss is not None and loss is not None:
             self.test_loss.update(loss)
@@ -118,7 +123,7 @@ class AccuracyHook(MetricHook):
     """
 
     def __init__(
-        self, accuracy_func: Callable[[Any, Any], torch.Tensor | int], priority: int = 0
+        self, accuracy_func: Callable[[torch.Tensor, Any], torch.Tensor | int], priority: int = 0
     ) -> None:
         super().__init__(priority)
         self.accuracy_func = accuracy_func
@@ -136,7 +141,13 @@ class AccuracyHook(MetricHook):
         if self.metric is not None:
             self.metric.reset()
 
-    def after_test_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_test_iter(
+        self,
+        trainer: Trainer,
+        output: Logits | None,
+        label: object,
+        loss: torch.Tensor | None,
+    ) -> None:
         """Count the step's correct predictions.
 
         Raises:
@@ -197,7 +208,9 @@ class LRSchedulerHook(MetricHook):
         if self.by_epoch:
             self._step()
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Step the scheduler (not ``by_epoch``)."""
         if not self.by_epoch:
             self._step()
@@ -262,7 +275,9 @@ class ThroughputHook(MetricHook):
         """Start the step's clock."""
         self._begin()
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Count the step."""
         self._end(trainer, self.train_metric)
 
@@ -275,7 +290,9 @@ class ThroughputHook(MetricHook):
         """Start the test step's clock."""
         self._begin()
 
-    def after_test_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_test_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Count the test step."""
         self._end(trainer, self.test_metric)
 
@@ -304,10 +321,14 @@ class LogMetricByStepHook(MetricHook):
             for name, metric in metrics.items()
         }
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """The training metrics of this step."""
         self._record(trainer, "train")
 
-    def after_test_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_test_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """The test metrics of this step."""
         self._record(trainer, "test")

@@ -23,12 +23,17 @@ from colossal.legacy.utils.common import get_current_device
 __all__ = [
     "AccuracyMetric",
     "LearningRateMetric",
+    "Logits",
     "LossMetric",
     "Metric",
     "ThroughputMetric",
     "dp_sum",
     "metric_mode",
 ]
+
+#: The model's output as the accuracy reads it: the logits, or a tuple/list of tensors whose
+#: first item they are.
+Logits = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
 def metric_mode() -> ParallelMode:
@@ -180,7 +185,7 @@ class AccuracyMetric(Metric):
     """
 
     def __init__(
-        self, epoch_only: bool, accuracy_func: Callable[[Any, Any], torch.Tensor | int]
+        self, epoch_only: bool, accuracy_func: Callable[[torch.Tensor, Any], torch.Tensor | int]
     ) -> None:
         super().__init__(epoch_only)
         self.accuracy_func = accuracy_func
@@ -192,7 +197,12 @@ class AccuracyMetric(Metric):
         self._last = torch.zeros(2, dtype=torch.float64, device=self._device)  # correct, total
         self._total = torch.zeros(2, dtype=torch.float64, device=self._device)
 
-    def update(self, logits: Any, targets: Any, batch_size: int | None = None) -> None:
+    def update(
+        self,
+        logits: Logits,
+        targets: object,
+        batch_size: int | None = None,
+    ) -> None:
         """Count a step's correct predictions.
 
         Args:

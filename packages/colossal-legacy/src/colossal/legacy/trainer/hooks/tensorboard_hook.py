@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from colossal.legacy.context import ParallelMode
 from colossal.legacy.core import gpc
@@ -14,6 +14,9 @@ from colossal.legacy.trainer.hooks.log_hooks import metric_values
 from colossal.legacy.utils.common import is_no_pp_or_last_stage
 
 if TYPE_CHECKING:
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
     from colossal.legacy.trainer.trainer import Trainer
 
 __all__ = ["TensorboardHook"]
@@ -24,7 +27,7 @@ _MISSING = (
 )
 
 
-def summary_writer_class() -> Any:
+def summary_writer_class() -> type[SummaryWriter]:
     """``torch.utils.tensorboard.SummaryWriter``.
 
     Raises:
@@ -68,7 +71,7 @@ class TensorboardHook(BaseHook):
             rank = gpc.get_global_rank()
         else:
             rank = gpc.get_local_rank(parallel_mode)
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
         if (ranks is None or rank in ranks) and is_no_pp_or_last_stage():
             path = os.path.join(os.fspath(log_dir), f"{parallel_mode.value}_rank_{rank}")
             self._writer = writer_class(log_dir=path, filename_suffix=f"_rank_{rank}")
@@ -84,7 +87,9 @@ class TensorboardHook(BaseHook):
         for name in names:
             self._writer.add_scalar(f"{name}/{mode}", values[name], step)
 
-    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+    def after_train_iter(
+        self, trainer: Trainer, output: object, label: object, loss: torch.Tensor | None
+    ) -> None:
         """Per-step training metrics, at the global step."""
         self._write(trainer, "train", trainer.cur_step, epoch_only=False)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual alias
 from _tp3d_models import TokenModel, VisionModel, shard_token_model, shard_vision_model
 from torch import nn
 
-from colossal.core import CommTracker, ParallelDims, grad_norm, sharded_view
+from colossal.core import CommTracker, ParallelDims, clip_grad_norm_, grad_norm, sharded_view
 from colossal.core.testing import assert_rel_close, distributed_test
 from colossal.shardformer.layer import enable_full_state_dict, full_tensor
 from colossal.shardformer.layer.tp3d import (
@@ -112,6 +112,8 @@ def _check_seed_mlp(dims: ParallelDims) -> None:
     out = layer_2(F.gelu(hidden))
     assert tuple(out.shape) == (4, 128)
     expected = dense_2(F.gelu(dense_1(x)))
+    with pytest.raises(ValueError, match=r"this rank holds 128 of the 256 features"):
+        layer_1(x)  # the whole activation instead of this rank's part
     assert_rel_close(gather_output_3d(out, dims, layer_2.output_swapped), expected, RTOL, "mlp")
     # A fresh layer: every rank holds its part of one agreed initialization.
     fresh = Linear3D(8, 16, dims=dims)
@@ -246,6 +248,11 @@ def _compare_training(
                 torch.stack([p.grad.norm() for p in plain.parameters() if p.grad is not None])
             )
             assert_rel_close(grad_norm(parallel.parameters()), norm, rtol, f"{name} grad norm")
+        if step == 1:  # clipping scales by the one global norm (the updates then agree)
+            clipped = clip_grad_norm_(parallel.parameters(), max_norm=0.1)
+            assert_rel_close(
+                clipped, nn.utils.clip_grad_norm_(plain.parameters(), 0.1), rtol, f"{name} clip"
+            )
         opt_plain.step()
         opt_3d.step()
     for pname, p in parallel.named_parameters():

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed import ProcessGroup
 
 from colossal.core import ParallelDims
 
-__all__ = ["ROLES", "Cube3D", "check_split"]
+__all__ = ["ROLES", "Cube3D", "check_part", "check_split"]
 
 #: The roles of the cube's axes in one layer.
 ROLES = ("input", "weight", "output")
@@ -103,4 +104,14 @@ def check_split(module: str, what: str, size: int, parts: int, cube: Cube3D, fix
         raise ValueError(
             f"{module}: {what}={size} is not divisible by {how}={parts} (the 3D cube of "
             f"tp={cube.dims.tp} ranks has side q={q}); {fix}"
+        )
+
+
+def check_part(module: str, x: torch.Tensor, width: int, cube: Cube3D) -> None:
+    """Raise ValueError unless ``x``'s last dim is this rank's ``width / q`` columns."""
+    if x.dim() == 0 or x.shape[-1] != width // cube.depth:
+        raise ValueError(
+            f"{module}: the input's last dim is {tuple(x.shape)[-1:]}, but this rank holds "
+            f"{width // cube.depth} of the {width} features (q={cube.depth}); pass this rank's "
+            "part of the whole activation (split_input_3d(x, dims, swapped))"
         )

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from colossal.core import ParallelDims
-from colossal.shardformer.layer.tp3d._cube import Cube3D, check_split
+from colossal.shardformer.layer.tp3d._cube import Cube3D, check_part, check_split
 from colossal.shardformer.layer.tp3d._params import (
     Level,
     agreed_seed,
@@ -151,6 +151,7 @@ class Linear3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, ..., in/q)`` -> ``(n, ..., out/q)`` (columns now split by the input axis)."""
+        check_part(type(self).__name__, x, self.in_features, self.cube)
         return linear_3d(x, self.weight, self.bias, self.cube)
 
     def extra_repr(self) -> str:
@@ -321,6 +322,7 @@ class Classifier3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, ..., in/q)`` -> ``(n, ..., C)`` logits of this rank's rows."""
+        check_part(type(self).__name__, x, self.in_features, self.cube)
         return classifier_3d(x, self.weight, self.bias, self.cube)
 
     def extra_repr(self) -> str:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from colossal.core import ParallelDims
-from colossal.shardformer.layer.tp3d._cube import Cube3D, check_split
+from colossal.shardformer.layer.tp3d._cube import Cube3D, check_part, check_split
 from colossal.shardformer.layer.tp3d._params import Level, agreed_seed, seeded, shard_whole
 from colossal.shardformer.layer.tp3d.functional import layer_norm_3d
 
@@ -119,6 +119,7 @@ class LayerNorm3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``(n, ..., h/q)`` over the whole width ``h``."""
+        check_part(type(self).__name__, x, self.normalized_shape[0], self.cube)
         return layer_norm_3d(
             x, self.weight, self.bias, self.normalized_shape[0], self.eps, self.cube
         )

@@ -336,6 +336,26 @@ def _check_models(dims: ParallelDims) -> None:
     _check_state_dict(plain, parallel, VisionModel(4, 2, 3, 8, 5), images, "vit")
 
 
+def _check_autocast(dims: ParallelDims) -> None:
+    """bf16 autocast: the backward multiplies in the forward's precision (no dtype clash),
+    and the loss and gradients stay near the plain model's under the same autocast."""
+    torch.manual_seed(3)
+    ids, targets = torch.randint(0, 16, (8, 3)), torch.randint(0, 16, (8, 3))
+    plain = TokenModel(16, 8, 16)
+    parallel = shard_token_model(plain, dims, vocab_parallel=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = plain(ids)
+        expected = F.cross_entropy(logits.reshape(-1, 16).float(), targets.reshape(-1))
+        loss = vocab_parallel_cross_entropy_3d(parallel(ids), targets, dims, True)
+    expected.backward()
+    loss.backward()
+    assert_rel_close(loss, expected, 2e-2, "bf16 loss")
+    natives = dict(plain.named_parameters())
+    for pname, p in parallel.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, pname
+        assert_rel_close(_full_grad(p), natives[pname].grad, 5e-2, f"bf16 {pname}.grad")
+
+
 def _check_dropout(dims: ParallelDims) -> None:
     """Partitioned: a different mask on each of the 8 ranks; replicated: along the output axis
     the same, across row blocks different."""
@@ -364,6 +384,7 @@ def test_tp3d_layers_match_the_plain_model(rank: int, world_size: int) -> None:
     _check_seed_mlp(dims)
     _check_comm(dims)
     _check_models(dims)
+    _check_autocast(dims)
     _check_dropout(dims)
 
 

@@ -128,6 +128,9 @@ class Linear3DFn(torch.autograd.Function):
         x_full, w_full = ctx.saved_tensors
         cube: Cube3D = ctx.cube
         dy_full = gather_along(dy.contiguous(), 0, cube.group("output"))
+        # Under autocast the forward multiplied in a lower precision: so does the backward
+        # (autograd casts each returned gradient to its input's dtype).
+        x_full, w_full = x_full.to(dy_full.dtype), w_full.to(dy_full.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = reduce_scatter_along(torch.matmul(dy_full, w_full), 0, cube.group("input"))

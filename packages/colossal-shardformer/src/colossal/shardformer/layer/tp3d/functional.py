@@ -108,7 +108,7 @@ def linear_3d(
     """
     y = Linear3DFn.apply(x, weight, cube)
     if bias is not None:
-        y = y + replicated_3d([bias], cube.group("weight", "output"))[0]
+        y = y + replicated_3d([bias], cube.group("weight", "output"))[0].to(y.dtype)
     return y
 
 
@@ -202,7 +202,7 @@ def classifier_3d(
         [t for t in (weight, bias) if t is not None], cube.group("input", "weight")
     )
     y = reduce_forward(torch.matmul(x, held[0].t()), cube.group("output"))
-    return y + held[1] if bias is not None else y
+    return y + held[1].to(y.dtype) if bias is not None else y
 
 
 def patch_embedding_3d(

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.checkpoint_io import group_param_names
 from colossal.core import OptimizerWrapper, get_accelerator
@@ -48,11 +49,15 @@ from colossal.legacy.engine.gradient_accumulation import accumulate_gradient
 from colossal.legacy.engine.gradient_handler import BaseGradientHandler
 from colossal.legacy.pipeline.shared import mark_stage_parameters, shared_parameters
 from colossal.legacy.registry import GRADIENT_HANDLER
+from colossal.legacy.utils.checkpointing import SchedulerLike
 from colossal.zero import LowLevelZeroOptimizer
 
 __all__ = ["initialize"]
 
 logger = logging.getLogger(__name__)
+
+_TrainBatchT = TypeVar("_TrainBatchT")
+_TestLoaderT = TypeVar("_TestLoaderT", bound=Iterable[object])
 
 
 def _data_mode() -> ParallelMode:
@@ -130,12 +135,17 @@ def initialize(
     model: nn.Module,
     optimizer: Optimizer | OptimizerWrapper,
     criterion: Callable[..., torch.Tensor] | None = None,
-    train_dataloader: Iterable[Any] | None = None,
-    test_dataloader: Iterable[Any] | None = None,
-    lr_scheduler: Any = None,
+    train_dataloader: Iterable[_TrainBatchT] | None = None,
+    test_dataloader: _TestLoaderT | None = None,
+    lr_scheduler: LRScheduler | None = None,
     ophooks: Iterable[object] | None = None,
     verbose: bool = True,
-) -> tuple[Engine, Iterable[Any] | None, Iterable[Any] | None, Any]:
+) -> tuple[
+    Engine,
+    Iterable[_TrainBatchT] | None,
+    _TestLoaderT | None,
+    SchedulerLike | None,
+]:
     """Apply the config's features and return an Engine (ColossalAI's ``initialize``).
 
     Collective: every rank calls it with its own (same-seeded) model.
@@ -214,8 +224,9 @@ def initialize(
             cast(BaseGradientHandler, GRADIENT_HANDLER.build(s, model=model, optimizer=optimizer))
             for s in handler_specs
         ]
+    scheduler: SchedulerLike | None = lr_scheduler
     if features.gradient_accumulation > 1:
-        optimizer, train_dataloader, handlers, lr_scheduler = accumulate_gradient(
+        optimizer, train_dataloader, handlers, scheduler = accumulate_gradient(
             model,
             optimizer,
             train_dataloader,
@@ -235,4 +246,4 @@ def initialize(
     )
     if verbose and gpc.get_global_rank() == 0:
         logger.info("initialize: %s", features)
-    return engine, train_dataloader, test_dataloader, lr_scheduler
+    return engine, train_dataloader, test_dataloader, scheduler

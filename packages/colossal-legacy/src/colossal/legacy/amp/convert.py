@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ AMP_CONFIG_KEYS: dict[AMP_TYPE, tuple[str, ...]] = {
 }
 
 
-def check_amp_config(mode: object, amp_config: Mapping[str, Any] | None) -> AMP_TYPE:
+def check_amp_config(mode: object, amp_config: Mapping[str, object] | None) -> AMP_TYPE:
     """The parsed mode, after checking ``amp_config`` holds only that mode's keys.
 
     Raises:
@@ -52,7 +51,7 @@ def convert_to_amp(
     optimizer: Optimizer | OptimizerWrapper,
     criterion: Callable[..., torch.Tensor] | None = None,
     mode: AMP_TYPE | str = AMP_TYPE.TORCH,
-    amp_config: Mapping[str, Any] | None = None,
+    amp_config: Mapping[str, object] | None = None,
 ) -> tuple[nn.Module, OptimizerWrapper, Callable[..., torch.Tensor] | None]:
     """Wrap ``model``, ``optimizer`` and ``criterion`` for mixed precision ``mode``.
 

@@ -10,7 +10,7 @@ the same steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -324,7 +324,7 @@ class NaiveAMPOptimizer(OptimizerWrapper):
 def convert_to_naive_amp(
     model: nn.Module,
     optimizer: Optimizer,
-    amp_config: dict[str, Any] | None = None,
+    amp_config: Mapping[str, object] | None = None,
     output_to_fp32: bool = True,
 ) -> tuple[nn.Module, NaiveAMPOptimizer]:
     """Wrap model and optimizer for :attr:`AMP_TYPE.NAIVE`.
@@ -351,7 +351,9 @@ def convert_to_naive_amp(
         )
     else:
         wrapped = NaiveAMPModel(model, output_to_fp32)
-    amp_optimizer = NaiveAMPOptimizer(optimizer, **dict(amp_config or {}))
+    # The settings' types are the optimizer's to check: they come from a config file.
+    settings: dict[str, Any] = dict(amp_config or {})
+    amp_optimizer = NaiveAMPOptimizer(optimizer, **settings)
     if all(n is not None for group in names for n in group):  # checkpoints name the masters
         amp_optimizer.set_param_names([[str(n) for n in group] for group in names])
     return wrapped, amp_optimizer

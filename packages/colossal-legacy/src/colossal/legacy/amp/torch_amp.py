@@ -8,7 +8,7 @@ every rank, so the mode also works with tensor and pipeline parallelism.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -90,7 +90,7 @@ def convert_to_torch_amp(
     model: nn.Module,
     optimizer: Optimizer,
     criterion: Callable[..., torch.Tensor] | None = None,
-    amp_config: dict[str, Any] | None = None,
+    amp_config: Mapping[str, object] | None = None,
 ) -> tuple[TorchAMPModel, TorchAMPOptimizer, TorchAMPLoss | None]:
     """Wrap model, optimizer and criterion for :attr:`AMP_TYPE.TORCH`.
 
@@ -100,7 +100,8 @@ def convert_to_torch_amp(
         criterion: The loss function, or None.
         amp_config: :class:`TorchAMPOptimizer`'s keyword arguments (``init_scale``...).
     """
-    config = dict(amp_config or {})
+    # The settings' types are the optimizer's to check: they come from a config file.
+    config: dict[str, Any] = dict(amp_config or {})
     return (
         TorchAMPModel(model),
         TorchAMPOptimizer(optimizer, **config),

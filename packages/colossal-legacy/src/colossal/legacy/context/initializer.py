@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from colossal.legacy.config import Config
 
-__all__ = ["GroupInfo", "ProcessGroupInitializer", "new_groups"]
+__all__ = ["GroupInfo", "GroupTuple", "InitializedGroups", "ProcessGroupInitializer", "new_groups"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,16 @@ class GroupInfo:
     cpu_group: ProcessGroup
     ranks: tuple[int, ...]
     mode: object
+
+
+#: ColossalAI's form of a :class:`GroupInfo`: ``(local_rank, world_size, group, cpu_group,
+#: ranks, mode)``.
+GroupTuple: TypeAlias = tuple[int, int, ProcessGroup, ProcessGroup, tuple[int, ...], object]
+#: What :meth:`ProcessGroupInitializer.init_dist_group` returns: this rank's group (None when
+#: the rank is in none of the mode's groups), or a list of them.
+InitializedGroups: TypeAlias = (
+    GroupInfo | GroupTuple | None | list[GroupInfo] | list[GroupInfo | GroupTuple | None]
+)
 
 
 def new_groups(rank_lists: Sequence[Sequence[int]], mode: object) -> GroupInfo | None:
@@ -89,7 +99,7 @@ class ProcessGroupInitializer:
         self.pipeline_parallel_size = pipeline_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
 
-    def init_dist_group(self) -> Any:
+    def init_dist_group(self) -> InitializedGroups:
         """Create the mode's groups; return this rank's :class:`GroupInfo` (or a list of them).
 
         ColossalAI's tuple ``(local_rank, world_size, group, cpu_group, ranks, mode)`` is
@@ -98,7 +108,7 @@ class ProcessGroupInitializer:
         """
         return self.init_parallel_groups()
 
-    def init_parallel_groups(self) -> Any:
+    def init_parallel_groups(self) -> InitializedGroups:
         """Override this (or :meth:`init_dist_group`) to create the groups."""
         raise NotImplementedError(
             f"{type(self).__name__} must override init_dist_group() (or "

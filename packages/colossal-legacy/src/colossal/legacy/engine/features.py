@@ -159,7 +159,7 @@ def _handlers(key: str, value: object) -> tuple[Mapping[str, Any], ...]:
     return tuple(specs)
 
 
-def parse_features(config: Mapping[str, Any], pipeline_size: int = 1) -> EngineFeatures:
+def parse_features(config: Mapping[str, object], pipeline_size: int = 1) -> EngineFeatures:
     """Validate the keys ``initialize`` reads from ``config``.
 
     Args:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +35,7 @@ from colossal.legacy.utils.common import is_using_pp
 __all__ = [
     "TRAINING_STATE_FILE",
     "SchedulerLike",
+    "TrainingState",
     "load_checkpoint",
     "read_training_state",
     "save_checkpoint",
@@ -45,6 +46,18 @@ SchedulerLike = LRScheduler | GradAccumLrSchedulerByStep
 
 #: The file of a checkpoint directory that holds the epoch and the extra keyword arguments.
 TRAINING_STATE_FILE = "training_state.json"
+
+
+class TrainingState(TypedDict):
+    """What :func:`read_training_state` returns.
+
+    Attributes:
+        epoch: The epoch saved (-1 when the directory records none).
+        extra: The extra keyword arguments of :func:`save_checkpoint`, as JSON gave them back.
+    """
+
+    epoch: int
+    extra: dict[str, object]
 
 
 def _plain_module(model: nn.Module) -> nn.Module:
@@ -179,7 +192,7 @@ def save_checkpoint(
     _barrier()
 
 
-def read_training_state(file: str | os.PathLike[str]) -> dict[str, Any]:
+def read_training_state(file: str | os.PathLike[str]) -> TrainingState:
     """``{"epoch": int, "extra": {...}}`` saved by :func:`save_checkpoint` into ``file``.
 
     A directory without it (a Booster checkpoint) gives ``{"epoch": -1, "extra": {}}``.
@@ -230,4 +243,4 @@ def load_checkpoint(
         io.load_optimizer(_named_optimizer(optimizer, model), directory)
     if lr_scheduler is not None:
         io.load_lr_scheduler(_scheduler(lr_scheduler), directory)
-    return int(read_training_state(directory)["epoch"])
+    return read_training_state(directory)["epoch"]

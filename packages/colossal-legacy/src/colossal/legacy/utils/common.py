@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -67,7 +66,7 @@ def is_no_pp_or_last_stage() -> bool:
 
 
 def print_rank_0(
-    msg: str, logger: logging.Logger | logging.LoggerAdapter[Any] | None = None
+    msg: str, logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None
 ) -> None:
     """Print ``msg`` (or log it at INFO with ``logger``) on global rank 0 only.
 

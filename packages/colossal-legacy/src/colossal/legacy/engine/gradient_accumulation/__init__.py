@@ -7,10 +7,11 @@ scheduler so that the Engine's ``zero_grad/backward/step`` loop steps once every
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypeVar
 
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.core import OptimizerWrapper
 from colossal.legacy.engine.gradient_accumulation.optimizer import GradAccumOptimizer
@@ -30,16 +31,19 @@ __all__ = [
 ]
 
 
+_BatchT = TypeVar("_BatchT")
+
+
 def accumulate_gradient(
     model: nn.Module,
     optimizer: OptimizerWrapper | Optimizer,
-    dataloader: Iterable[Any] | None,
+    dataloader: Iterable[_BatchT] | None,
     accumulate_size: int,
     gradient_handlers: Sequence[BaseGradientHandler] | None = None,
-    lr_scheduler: Any = None,
+    lr_scheduler: LRScheduler | None = None,
 ) -> tuple[
     GradAccumOptimizer,
-    GradAccumDataloader | None,
+    GradAccumDataloader[_BatchT] | None,
     list[BaseGradientHandler] | None,
     GradAccumLrSchedulerByStep | None,
 ]:

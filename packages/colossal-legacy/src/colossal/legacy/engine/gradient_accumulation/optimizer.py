@@ -178,6 +178,7 @@ class GradAccumOptimizer(OptimizerWrapper):
         self.inner.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
+        """The inner optimizer's attribute ``name`` (any attribute: whatever its type)."""
         inner = self.__dict__.get("inner")
         if inner is None:
             raise AttributeError(name)

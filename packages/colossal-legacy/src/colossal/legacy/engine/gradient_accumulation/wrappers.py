@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.legacy.engine.gradient_accumulation.optimizer import GradAccumOptimizer
 from colossal.legacy.engine.gradient_handler.base import BaseGradientHandler
 
 __all__ = ["GradAccumDataloader", "GradAccumGradientHandler", "GradAccumLrSchedulerByStep"]
+
+_BatchT = TypeVar("_BatchT")
 
 
 def _check_size(accumulate_size: int) -> None:
@@ -20,7 +24,7 @@ def _check_size(accumulate_size: int) -> None:
         raise ValueError(f"accumulate_size={accumulate_size!r} must be an int >= 1")
 
 
-class GradAccumDataloader:
+class GradAccumDataloader(Generic[_BatchT]):
     """A dataloader whose epochs hold a whole number of accumulation cycles.
 
     An epoch still yields one batch per micro-step (its length is the dataloader's), except
@@ -37,7 +41,7 @@ class GradAccumDataloader:
         ValueError: The dataloader has fewer batches than ``accumulate_size``.
     """
 
-    def __init__(self, dataloader: Iterable[Any], accumulate_size: int) -> None:
+    def __init__(self, dataloader: Iterable[_BatchT], accumulate_size: int) -> None:
         _check_size(accumulate_size)
         self.dataloader = dataloader
         self.accumulate_size = accumulate_size
@@ -54,7 +58,7 @@ class GradAccumDataloader:
         n = len(self.dataloader)
         return n - n % self.accumulate_size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[_BatchT]:
         it = iter(self.dataloader)
         if not isinstance(self.dataloader, Sized):
             yield from it
@@ -65,6 +69,7 @@ class GradAccumDataloader:
             pass
 
     def __getattr__(self, name: str) -> Any:
+        """The dataloader's attribute ``name`` (any attribute: whatever its type)."""
         loader = self.__dict__.get("dataloader")
         if loader is None:
             raise AttributeError(name)
@@ -86,7 +91,7 @@ class GradAccumLrSchedulerByStep:
 
     def __init__(
         self,
-        lr_scheduler: Any,
+        lr_scheduler: LRScheduler,
         accumulate_size: int,
         optimizer: GradAccumOptimizer | None = None,
     ) -> None:
@@ -115,16 +120,17 @@ class GradAccumLrSchedulerByStep:
             self._calls = 0
         self.lr_scheduler.step(*args, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The scheduler's state dict."""
-        state: dict[str, Any] = self.lr_scheduler.state_dict()
+        state: dict[str, object] = self.lr_scheduler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
         """Restore the scheduler's state."""
         self.lr_scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
+        """The scheduler's attribute ``name`` (any attribute: whatever its type)."""
         scheduler = self.__dict__.get("lr_scheduler")
         if scheduler is None:
             raise AttributeError(name)

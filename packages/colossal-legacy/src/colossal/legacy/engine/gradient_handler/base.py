@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 from torch import nn
+from torch.optim import Optimizer
+
+from colossal.core import OptimizerWrapper
 
 __all__ = ["BaseGradientHandler"]
 
@@ -24,7 +26,7 @@ class BaseGradientHandler(ABC):
         optimizer: The optimizer (wrapper) that steps them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer: OptimizerWrapper | Optimizer) -> None:
         self._model = model
         self._optimizer = optimizer
 

@@ -15,11 +15,12 @@ not clamp: ``clamp_value=None``). The norms are per parameter tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 __all__ = ["Lamb"]
 
@@ -45,7 +46,7 @@ class Lamb(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,

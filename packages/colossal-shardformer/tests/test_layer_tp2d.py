@@ -363,6 +363,39 @@ def test_tp2d_layers_match_the_plain_model(rank: int, world_size: int) -> None:
     _check_dropout(dims)
 
 
+@distributed_test(8, timeout=600.0)
+def test_tp2d_grids_per_data_parallel_replica(rank: int, world_size: int) -> None:
+    """dp=2 x a 2x2 grid: each replica's SUMMA stays inside its own grid (groups, sources
+    and targets are that replica's global ranks); loss, gradients and norm match the plain
+    model on the replica's own batch, and so does the norm over the replica's grid."""
+    dims = ParallelDims(dp=2, tp=4, tp_mode="2d")
+    replica = dims.coordinate("dp")
+    grid_ranks = set(dims.ranks("tp"))
+    assert grid_ranks == set(range(4 * replica, 4 * replica + 4))
+    torch.manual_seed(3)
+    plain = TokenModel(16, 8, 16)
+    parallel = shard_token_model(plain, dims, vocab_parallel=True)
+    batches = torch.randint(0, 16, (2, 4, 3))
+    ids, targets = batches[replica], batches[1 - replica]
+    with CommTracker() as tracker:
+        loss = vocab_parallel_cross_entropy_2d(parallel(ids), targets, dims)
+        loss.backward()
+    assert all(
+        set(group) <= grid_ranks for groups in tracker.summary().values() for group in groups
+    )
+    logits = plain(ids)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    expected.backward()
+    assert_rel_close(loss, expected, RTOL, f"replica {replica} loss")
+    natives = dict(plain.named_parameters())
+    for pname, p in parallel.named_parameters():
+        assert_rel_close(_full_grad(p), natives[pname].grad, RTOL, f"replica {replica} {pname}")
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()]))
+    # The norm of one replica's model: over the ranks holding it (grad_norm's ``group``).
+    got = grad_norm(parallel.parameters(), group=dims.group("tp"))
+    assert_rel_close(got, norm, RTOL, "grad norm per replica")
+
+
 @distributed_test(1)
 def test_tp2d_single_rank_grid_is_the_plain_model(rank: int, world_size: int) -> None:
     """q = 1: every layer is its plain module and communicates nothing."""

@@ -16,6 +16,10 @@ Rows (all measured in this one run, interleaved so machine noise hits both sides
 * ``torch fused AdamW alone``: the fused step on fp32 grads, for reference.
 * ``stream copy``: ``dst.copy_(src)`` on fp32 arrays of the same size (the machine's
   streaming bandwidth, counted as bytes read + written).
+* ``stream triad``: ``dst = src + s * src2`` (``torch.add(..., out=)``), counted as 12 bytes
+  per element like STREAM. Copy and triad also read each destination line before writing it
+  (4 more bytes per element than counted); the Adam rows update their arrays in place, so
+  their counted bytes are all the bytes they move.
 * NVMe offload (fraction 0.5): step time against compute time (no offload) and the time the
   disk needs for the bytes moved: the read and the write-back of the offloaded states with plain
   positional syscalls, timed in the same round-robin as the steps. Both IO modes run, each
@@ -117,8 +121,12 @@ def _cpu_adam(master: torch.nn.Parameter, isa: str) -> CPUAdam:
     """CPUAdam on the registry's choice (``isa == "auto"``) or pinned to one instruction set."""
     if isa == "auto" and REGISTRY.status("cpu_adam", "cpu").implementation != "cpp":
         return CPUAdam([master], lr=1e-3, weight_decay=0.01)  # the torch fallback
-    return _PinnedCPUAdam([master], lr=1e-3, weight_decay=0.01,
-                          kernel=CppAdam(_jit.load_library(), isa=None if isa == "auto" else isa))
+    return _PinnedCPUAdam(
+        [master],
+        lr=1e-3,
+        weight_decay=0.01,
+        kernel=CppAdam(_jit.load_library(), isa=None if isa == "auto" else isa),
+    )
 
 
 def adam_impl(opt: CPUAdam) -> str:
@@ -128,8 +136,7 @@ def adam_impl(opt: CPUAdam) -> str:
     return f"cpp/{simd}" if simd else REGISTRY.status("cpu_adam", "cpu").implementation
 
 
-def bench_adam(n: int, reps: int, isas: tuple[str, ...] = ("auto",)
-               ) -> tuple[list[dict], dict]:
+def bench_adam(n: int, reps: int, isas: tuple[str, ...] = ("auto",)) -> tuple[list[dict], dict]:
     """Ours (one optimizer per instruction set in ``isas``) against the torch rows.
 
     Returns the rows and ``{"ours": {impl: {"vs_torch_way", "vs_torch_fused", "s"}},
@@ -166,37 +173,55 @@ def bench_adam(n: int, reps: int, isas: tuple[str, ...] = ("auto",)
     a_master.grad = torch.randn(n, generator=g)
     a_opt = torch.optim.AdamW([a_master], lr=1e-3, weight_decay=0.01, fused=True)
 
-    src, dst = torch.randn(n, generator=g), torch.empty(n)
+    src, src2, dst = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.empty(n)
 
-    res = interleaved({
-        **{impl: functools.partial(opt.step, div_scale=LOSS_SCALE)
-           for impl, (opt, _, _) in ours.items()},
-        "torch_way": torch_way,
-        "torch_fused": a_opt.step,
-        "copy": lambda: dst.copy_(src),
-    }, reps)
+    res = interleaved(
+        {
+            **{
+                impl: functools.partial(opt.step, div_scale=LOSS_SCALE)
+                for impl, (opt, _, _) in ours.items()
+            },
+            "torch_way": torch_way,
+            "torch_fused": a_opt.step,
+            "copy": lambda: dst.copy_(src),
+            "triad": lambda: torch.add(src, src2, alpha=1.0001, out=dst),
+        },
+        reps,
+    )
     stream_bw = 8 * n / res["copy"]
     rows = []
     for key, name, nbytes in (
         ("torch_way", "torch AdamW(fused) + unscale + bf16 copy", None),
-        *((impl, f"colossal CPUAdam ({impl}) fused, bf16 copy", BYTES_PER_PARAM * n)
-          for impl in ours),
+        *(
+            (impl, f"colossal CPUAdam ({impl}) fused, bf16 copy", BYTES_PER_PARAM * n)
+            for impl in ours
+        ),
         ("torch_fused", "torch AdamW(fused) alone, fp32 grads", 28 * n),
         ("copy", "stream copy fp32 (read+write)", 8 * n),
+        ("triad", "stream triad fp32 (2 reads + 1 write)", 12 * n),
     ):
         t = res[key]
-        rows.append({
-            "name": name, "params": n, "ms": round(1e3 * t, 2),
-            "params_per_s": round(n / t) if key != "copy" else None,
-            "GB_per_s": round(nbytes / t / 1e9, 1) if nbytes else None,
-            "vs_stream": round(nbytes / t / stream_bw, 2) if nbytes else None,
-        })
+        rows.append(
+            {
+                "name": name,
+                "params": n,
+                "ms": round(1e3 * t, 2),
+                "params_per_s": round(n / t) if key not in ("copy", "triad") else None,
+                "GB_per_s": round(nbytes / t / 1e9, 1) if nbytes else None,
+                "vs_stream": round(nbytes / t / stream_bw, 2) if nbytes else None,
+            }
+        )
     # correctness spot check: the working copy is the rounded master
     for _, master, working in ours.values():
         assert torch.equal(working.detach(), master.detach().bfloat16())
-    out = {impl: {"vs_torch_way": res["torch_way"] / res[impl],
-                  "vs_torch_fused": res["torch_fused"] / res[impl], "s": res[impl]}
-           for impl in ours}
+    out = {
+        impl: {
+            "vs_torch_way": res["torch_way"] / res[impl],
+            "vs_torch_fused": res["torch_fused"] / res[impl],
+            "s": res[impl],
+        }
+        for impl in ours
+    }
     return rows, {"ours": out, "stream_GBps": stream_bw / 1e9}
 
 
@@ -242,8 +267,9 @@ def _overlapped(compute, io, side: concurrent.futures.Executor) -> None:
     io_done.result()
 
 
-def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
-               ) -> tuple[list[dict], dict]:
+def bench_nvme(
+    n: int, reps: int, directory: str | None, fraction: float = 0.5
+) -> tuple[list[dict], dict]:
     """Offloaded step vs compute and disk time, with ``O_DIRECT`` (if supported) and buffered.
 
     Each mode is timed in a round-robin of its own (compute, offloaded step, disk IO, and the
@@ -267,8 +293,14 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
         working = [m.detach().bfloat16().requires_grad_() for m in masters]
         for w, gr in zip(working, grads, strict=False):
             w.grad = gr
-        opt = CPUAdam(masters, lr=1e-3, weight_decay=0.01, nvme_offload_fraction=frac,
-                      nvme_offload_dir=directory, nvme_direct_io=direct)
+        opt = CPUAdam(
+            masters,
+            lr=1e-3,
+            weight_decay=0.01,
+            nvme_offload_fraction=frac,
+            nvme_offload_dir=directory,
+            nvme_direct_io=direct,
+        )
         opt.attach_working_params(dict(zip(masters, working, strict=False)))
         return opt, masters
 
@@ -288,10 +320,15 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
         side = concurrent.futures.ThreadPoolExecutor(1)
         floor_step = functools.partial(make(0.0)[0].step, div_scale=LOSS_SCALE)
         try:
-            res = interleaved({"compute": functools.partial(plain.step, div_scale=LOSS_SCALE),
-                               "offload": functools.partial(off_step, opt), "disk": disk_io,
-                               "overlap": functools.partial(_overlapped, floor_step, disk_io,
-                                                            side)}, reps)
+            res = interleaved(
+                {
+                    "compute": functools.partial(plain.step, div_scale=LOSS_SCALE),
+                    "offload": functools.partial(off_step, opt),
+                    "disk": disk_io,
+                    "overlap": functools.partial(_overlapped, floor_step, disk_io, side),
+                },
+                reps,
+            )
         finally:
             side.shutdown()
             disk_close()
@@ -301,16 +338,30 @@ def bench_nvme(n: int, reps: int, directory: str | None, fraction: float = 0.5
         bound = max(res["compute"], res["disk"])
         ratio = res["offload"] / bound
         rows += [
-            {"name": f"Adam step, no offload (compute; {mode} round)", "params": n,
-             "ms": round(1e3 * res["compute"], 2)},
-            {"name": f"disk ({mode}): read+write {moved / 1e6:.0f} MB", "params": None,
-             "ms": round(1e3 * res["disk"], 2), "GB_per_s": round(moved / res["disk"] / 1e9, 2)},
-            {"name": f"floor ({mode}): disk IO on a thread while the plain step runs",
-             "params": None, "ms": round(1e3 * res["overlap"], 2),
-             "vs_bound": round(res["overlap"] / bound, 2)},
-            {"name": f"Adam step, NVMe offload {fraction:.0%} ({mode})", "params": n,
-             "ms": round(1e3 * res["offload"], 2), "vs_bound": round(ratio, 2),
-             "identical": identical},
+            {
+                "name": f"Adam step, no offload (compute; {mode} round)",
+                "params": n,
+                "ms": round(1e3 * res["compute"], 2),
+            },
+            {
+                "name": f"disk ({mode}): read+write {moved / 1e6:.0f} MB",
+                "params": None,
+                "ms": round(1e3 * res["disk"], 2),
+                "GB_per_s": round(moved / res["disk"] / 1e9, 2),
+            },
+            {
+                "name": f"floor ({mode}): disk IO on a thread while the plain step runs",
+                "params": None,
+                "ms": round(1e3 * res["overlap"], 2),
+                "vs_bound": round(res["overlap"] / bound, 2),
+            },
+            {
+                "name": f"Adam step, NVMe offload {fraction:.0%} ({mode})",
+                "params": n,
+                "ms": round(1e3 * res["offload"], 2),
+                "vs_bound": round(ratio, 2),
+                "identical": identical,
+            },
         ]
         out[mode] = {"ratio": ratio, "identical": identical}
     return rows, out
@@ -339,13 +390,14 @@ def bench_attention(reps: int) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     out: dict[str, float] = {}
     for label, b, h, hk, s, d, q_bshd, kv_bshd in ATTN_SHAPES:
+
         def make(heads: int, bshd: bool, b=b, s=s, d=d) -> torch.Tensor:
             x = torch.randn(b, s, heads, d, generator=g).transpose(1, 2)
             return x if bshd else x.contiguous()
 
         q, k, v = make(h, q_bshd), make(hk, kv_bshd), make(hk, kv_bshd)
         dout = make(h, q_bshd)
-        scale = d ** -0.5
+        scale = d**-0.5
 
         def plain(q=q, k=k, v=v, dout=dout, scale=scale) -> None:
             o, lse = fwd(q, k, v, 0.0, True, scale=scale)
@@ -358,22 +410,37 @@ def bench_attention(reps: int) -> tuple[list[dict], dict]:
         blocks = sorted({blk for blk in (64, 128, causal_block_size(s)) if blk and s // blk >= 2})
         fns = {"plain": plain, **{f"tiled {blk}": functools.partial(tiled, blk) for blk in blocks}}
         ref = fwd(q, k, v, 0.0, True, scale=scale)[0]
-        err = max((causal_flash_forward(q, k, v, scale, blk)[0] - ref).abs().max().item()
-                  for blk in blocks)
+        err = max(
+            (causal_flash_forward(q, k, v, scale, blk)[0] - ref).abs().max().item()
+            for blk in blocks
+        )
         res = interleaved(fns, reps, warmup=2)
         shape = f"B={b} H={h} Hk={hk} S={s} D={d}"
         for key, t in res.items():
-            rows.append({"name": f"causal attention fwd+bwd, {label} ({shape}): {key}",
-                         "ms": round(1e3 * t, 2),
-                         "speedup": round(res["plain"] / t, 3),
-                         "max_err": None if key == "plain" else f"{err:.1e}"})
+            rows.append(
+                {
+                    "name": f"causal attention fwd+bwd, {label} ({shape}): {key}",
+                    "ms": round(1e3 * t, 2),
+                    "speedup": round(res["plain"] / t, 3),
+                    "max_err": None if key == "plain" else f"{err:.1e}",
+                }
+            )
         out[label] = max(res["plain"] / res[k] for k in res if k != "plain")
     return rows, out
 
 
 def markdown(rows: list[dict]) -> str:
-    keys = ["name", "params", "ms", "params_per_s", "GB_per_s", "vs_stream", "vs_bound",
-            "speedup", "max_err"]
+    keys = [
+        "name",
+        "params",
+        "ms",
+        "params_per_s",
+        "GB_per_s",
+        "vs_stream",
+        "vs_bound",
+        "speedup",
+        "max_err",
+    ]
     keys = [k for k in keys if any(r.get(k) is not None for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
@@ -393,11 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--nvme-dir", default=None, help="directory for offloaded state")
-    parser.add_argument("--only", choices=("adam", "nvme", "attention"), default=None,
-                        help="run only the CPU Adam, the NVMe offload or the attention rows")
-    parser.add_argument("--isa", default="auto",
-                        help="comma-separated CPU Adam instruction sets to time side by side: "
-                             "auto (the best this CPU runs), avx512, avx2, portable")
+    parser.add_argument(
+        "--only",
+        choices=("adam", "nvme", "attention"),
+        default=None,
+        help="run only the CPU Adam, the NVMe offload or the attention rows",
+    )
+    parser.add_argument(
+        "--isa",
+        default="auto",
+        help="comma-separated CPU Adam instruction sets to time side by side: "
+        "auto (the best this CPU runs), avx512, avx2, portable",
+    )
     args = parser.parse_args(argv)
     isas = tuple(dict.fromkeys(x.strip().lower() for x in args.isa.split(",") if x.strip()))
     n = args.params or (10_000_000 if args.quick else 50_000_000)
@@ -416,22 +490,37 @@ def main(argv: list[str] | None = None) -> int:
         stream_gbps = round(adam["stream_GBps"], 1)
         adam_impls = list(adam["ours"])
         for impl, res in adam["ours"].items():
-            goals.append({"name": f"CPUAdam ({impl}) vs torch fused AdamW doing the same work "
-                                  "(x)", "value": round(res["vs_torch_way"], 2), "target": 3.0,
-                          "met": res["vs_torch_way"] >= 3.0})
-            goals.append({"name": f"CPUAdam ({impl}) vs torch fused AdamW alone, fp32 (x)",
-                          "value": round(res["vs_torch_fused"], 2), "target": 1.0,
-                          "met": res["vs_torch_fused"] >= 1.0})
+            goals.append(
+                {
+                    "name": f"CPUAdam ({impl}) vs torch fused AdamW doing the same work (x)",
+                    "value": round(res["vs_torch_way"], 2),
+                    "target": 3.0,
+                    "met": res["vs_torch_way"] >= 3.0,
+                }
+            )
+            goals.append(
+                {
+                    "name": f"CPUAdam ({impl}) vs torch fused AdamW alone, fp32 (x)",
+                    "value": round(res["vs_torch_fused"], 2),
+                    "target": 1.0,
+                    "met": res["vs_torch_fused"] >= 1.0,
+                }
+            )
     if args.only in (None, "nvme"):
         # More repetitions here: a virtual disk's speed varies from one call to the next.
         nvme_rows, nvme = bench_nvme(n, args.reps or (5 if args.quick else 15), nvme_dir)
         rows += nvme_rows
         for mode, res in nvme.items():  # the goal is on the default mode (direct if possible)
             default = mode == next(iter(nvme))
-            goals.append({"name": f"NVMe offload 0.5 step / max(compute, disk time), {mode}"
-                                  + ("" if default else " (not the default; for reference)"),
-                          "value": round(res["ratio"], 2), "target": 1.25 if default else None,
-                          "met": (res["ratio"] <= 1.25 and res["identical"]) if default else None})
+            goals.append(
+                {
+                    "name": f"NVMe offload 0.5 step / max(compute, disk time), {mode}"
+                    + ("" if default else " (not the default; for reference)"),
+                    "value": round(res["ratio"], 2),
+                    "target": 1.25 if default else None,
+                    "met": (res["ratio"] <= 1.25 and res["identical"]) if default else None,
+                }
+            )
     if args.only in (None, "attention"):
         threads = torch.get_num_threads()
         if not args.threads:
@@ -440,29 +529,44 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         rows += attn_rows
         speedup = attn[ATTN_SHAPES[0][0]]
-        goals.append({"name": "tiled causal flash attention fwd+bwd vs the plain CPU kernel, "
-                              "Ulysses per-rank shape (x)",
-                      "value": round(speedup, 3), "target": 1.05, "met": speedup >= 1.05})
+        goals.append(
+            {
+                "name": "tiled causal flash attention fwd+bwd vs the plain CPU kernel, "
+                "Ulysses per-rank shape (x)",
+                "value": round(speedup, 3),
+                "target": 1.05,
+                "met": speedup >= 1.05,
+            }
+        )
     machine = {
-        "cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "stream_copy_GBps": stream_gbps, "nvme_dir": nvme_dir,
+        "stream_copy_GBps": stream_gbps,
+        "nvme_dir": nvme_dir,
         "cpu_adam_isa": adam_impls,
     }
     attn_1t = args.only in (None, "attention") and not args.threads
     attn_note = "; attention on 1 thread" if attn_1t else ""
     isa_note = f"; CPU Adam {', '.join(adam_impls)}" if adam_impls else ""
-    print(f"## colossal-kernels ({'quick' if args.quick else 'full'}; {n / 1e6:.0f}M params, "
-          f"{machine['threads']} threads{attn_note}{isa_note}, {machine['cpu']})\n")
+    print(
+        f"## colossal-kernels ({'quick' if args.quick else 'full'}; {n / 1e6:.0f}M params, "
+        f"{machine['threads']} threads{attn_note}{isa_note}, {machine['cpu']})\n"
+    )
     print(markdown(rows))
     print("\n| goal | value | target | met |\n|---|---|---|---|")
     for goal in goals:
         print(f"| {goal['name']} | {goal['value']} | {goal['target']} | {goal['met']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"benchmark": "kernels", "machine": machine, "rows": rows, "goals": goals},
-            indent=2), encoding="utf-8")
+        Path(args.json).write_text(
+            json.dumps(
+                {"benchmark": "kernels", "machine": machine, "rows": rows, "goals": goals}, indent=2
+            ),
+            encoding="utf-8",
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from colossal.kernels import REGISTRY, CPUAdam, _jit
+from colossal.kernels.optim._base import AdamFn
 from colossal.kernels.optim._functional import (
     ISA_ENV,
     AdamHyper,
@@ -54,8 +55,9 @@ def test_path_matches_torch(lib, monkeypatch, isa, grad_dtype, adamw_mode):
     masters = [torch.nn.Parameter(t.clone()) for t in inits]
     working = [t.to(grad_dtype, copy=True) for t in inits]
     ref = [torch.nn.Parameter(t.clone()) for t in inits]
-    opt = CPUAdam(masters, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05,
-                  adamw_mode=adamw_mode)
+    opt = CPUAdam(
+        masters, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, adamw_mode=adamw_mode
+    )
     opt.attach_working_params(dict(zip(masters, working, strict=True)))
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     torch_opt = cls(ref, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
@@ -69,20 +71,41 @@ def test_path_matches_torch(lib, monkeypatch, isa, grad_dtype, adamw_mode):
             torch_opt.step()
     for m, w, r in zip(masters, working, ref, strict=True):
         torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[m]["exp_avg"], torch_opt.state[r]["exp_avg"],
-                                   rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(opt.state[m]["exp_avg_sq"],
-                                   torch_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(
+            opt.state[m]["exp_avg"], torch_opt.state[r]["exp_avg"], rtol=1e-5, atol=1e-7
+        )
+        torch.testing.assert_close(
+            opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-9
+        )
         assert torch.equal(w, m.detach().to(grad_dtype))  # the copy is the rounded master
     assert not torch.equal(masters[3].detach(), inits[3])
 
 
 def _special_values(n: int) -> torch.Tensor:
     """fp32 values probing fp16/bf16 rounding: ties, overflow, denormals, inf, NaN, random bits."""
-    ties = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 1.0 + 2.0**-11,
-            1.0 + 3 * 2.0**-11, 65504.0, 65519.0, 65520.0, -70000.0, 2.0**-24, 2.0**-25,
-            3 * 2.0**-26, 1e-40, -1e-45, 0.0, -0.0, float("inf"), float("-inf"), float("nan"),
-            -float("nan"), 3.4e38]
+    ties = [
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-8,
+        -(1.0 + 2.0**-8),
+        1.0 + 2.0**-11,
+        1.0 + 3 * 2.0**-11,
+        65504.0,
+        65519.0,
+        65520.0,
+        -70000.0,
+        2.0**-24,
+        2.0**-25,
+        3 * 2.0**-26,
+        1e-40,
+        -1e-45,
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        -float("nan"),
+        3.4e38,
+    ]
     # NaNs whose payload rounding would carry into the exponent or sign (inf, -0.0).
     nans = [0x7F800001, 0x7FFFFFFF, 0x7F80FFFF, -1, -0x007FFFFF]
     g = torch.Generator().manual_seed(7)
@@ -99,10 +122,24 @@ def test_copy_rounds_like_torch(lib, isa, copy_dtype):
     p = _special_values(4099)  # vector part and a 3-element tail
     param = p.clone()
     copy = torch.empty(p.numel(), dtype=copy_dtype)
-    hyper = AdamHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      adamw_mode=True, bias_correction=True)
-    CppAdam(lib, isa=isa)([param], [torch.zeros_like(p)], [torch.zeros_like(p)],
-                          [torch.zeros_like(p)], [copy], [1], hyper)
+    hyper = AdamHyper(
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        adamw_mode=True,
+        bias_correction=True,
+    )
+    CppAdam(lib, isa=isa)(
+        [param],
+        [torch.zeros_like(p)],
+        [torch.zeros_like(p)],
+        [torch.zeros_like(p)],
+        [copy],
+        [1],
+        hyper,
+    )
     expected = p.to(copy_dtype)
     assert torch.equal(torch.isnan(copy), torch.isnan(expected))
     keep = ~torch.isnan(expected)
@@ -121,8 +158,16 @@ def test_large_step_streams_copies_correctly(lib, isa):
     copies = [torch.empty(n, dtype=torch.float16), unaligned, torch.empty(n)]
     state = [torch.zeros(n) for _ in range(6)]
     ref_state = [torch.zeros(n) for _ in range(6)]
-    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.1,
-                      adamw_mode=True, bias_correction=True, div_scale=8.0)
+    hyper = AdamHyper(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-6,
+        weight_decay=0.1,
+        adamw_mode=True,
+        bias_correction=True,
+        div_scale=8.0,
+    )
     kernel = CppAdam(lib, isa=isa)
     for step in (1, 2):
         grads = [torch.randn(n, generator=g).to(d) for d in DTYPES]
@@ -136,8 +181,15 @@ def test_large_step_streams_copies_correctly(lib, isa):
 def _run_threads(kernel: CppAdam, num_threads: int | None = None) -> int:
     n = 100_000  # four work items
     t = [torch.zeros(n) for _ in range(4)]
-    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      adamw_mode=True, bias_correction=True)
+    hyper = AdamHyper(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        adamw_mode=True,
+        bias_correction=True,
+    )
     kernel([t[0]], [torch.ones(n)], [t[1]], [t[2]], [None], [1], hyper, num_threads)
     return kernel.last_num_threads
 
@@ -170,9 +222,95 @@ def test_threads_not_taken_from_omp_num_threads(lib):
         "print(k.last_num_threads)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.split()[-1] == "2"
+
+
+# Tensors of 6, 1, 3, 2 and 1 work items (32768 elements each) and small ones: 13 items.
+ITEM_SIZES = [5 * 32768 + 3, 70, 3 * 32768, 32768 + 1, 9, 1000]
+
+
+def _uneven_steps(kernel: AdamFn, num_threads: int) -> list[torch.Tensor]:
+    """Two steps over ``ITEM_SIZES``; returns the params and both moments."""
+    g = torch.Generator().manual_seed(11)
+    params = [torch.randn(n, generator=g) for n in ITEM_SIZES]
+    exp_avgs = [torch.zeros(n) for n in ITEM_SIZES]
+    exp_avg_sqs = [torch.zeros(n) for n in ITEM_SIZES]
+    hyper = AdamHyper(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-6,
+        weight_decay=0.1,
+        adamw_mode=True,
+        bias_correction=True,
+        div_scale=4.0,
+    )
+    for step in (1, 2):
+        grads = [torch.randn(n, generator=g) for n in ITEM_SIZES]
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [None] * len(params),
+            [step] * len(params),
+            hyper,
+            num_threads=num_threads,
+        )
+    return params + exp_avgs + exp_avg_sqs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_item_runs_once_whatever_the_threads(lib, isa):
+    """More threads than cores or than a tensor's items: ranges are taken over (stolen)."""
+    _need(lib, isa)
+    kernel = CppAdam(lib, isa=isa)
+    serial = _uneven_steps(kernel, 1)
+    for a, b in zip(serial, _uneven_steps(torch_adam_step, 1), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for threads in (2, 3, 8, 16):
+        out = _uneven_steps(kernel, threads)
+        assert kernel.last_num_threads == threads
+        for a, b in zip(out, serial, strict=True):  # an item run twice or skipped differs
+            assert torch.equal(a, b)
+
+
+def test_items_run_on_a_smaller_team(lib):
+    """OMP_THREAD_LIMIT=1: a team of one asked for four threads runs every range itself."""
+    code = (
+        "import torch\n"
+        "from colossal.kernels import _jit\n"
+        "from colossal.kernels.optim._functional import AdamHyper, CppAdam, torch_adam_step\n"
+        "n = 5 * 32768 + 3\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)\n"
+        "ref = p.clone()\n"
+        "s = [torch.zeros(n) for _ in range(4)]\n"
+        "h = AdamHyper(1e-2, 0.9, 0.99, 1e-6, 0.0, True, True)\n"
+        "k = CppAdam(_jit.load_library())\n"
+        "k([p], [grad], [s[0]], [s[1]], [None], [1], h, num_threads=4)\n"
+        "torch_adam_step([ref], [grad], [s[2]], [s[3]], [None], [1], h)\n"
+        "torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6)\n"
+        "print(k.last_num_threads)\n"
+    )
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.split()[-1] == "1"
 
 
 def test_isa_choice_errors(lib, monkeypatch):

@@ -4,13 +4,15 @@
 // scale, update the fp32 param, exp_avg and exp_avg_sq, and optionally write an fp16/bf16/fp32
 // copy of the updated param. The library exposes a plain C ABI (no torch headers) and is
 // called through ctypes, which releases the GIL for the duration of a call. Work is split into
-// fixed-size chunks across all tensors of a call and shared by OpenMP threads; the caller
-// passes the thread count of every call (torch.get_num_threads(), not OMP_NUM_THREADS).
+// fixed-size chunks across all tensors of a call, one contiguous range of chunks per OpenMP
+// thread, and a thread done with its range takes over the rest of a slower one's (WorkRanges);
+// the caller passes the thread count of every call (torch.get_num_threads(), not
+// OMP_NUM_THREADS).
 //
 // Instruction sets are chosen at run time, so one build (compiled for the baseline of its
 // architecture, no -march=native) serves every CPU of that architecture:
-//   avx512   16 floats per vector (x86 with AVX-512F),
-//   avx2     8 floats per vector, two vectors per iteration (x86 with AVX2, FMA and F16C),
+//   avx512   16 floats per vector, two vectors per iteration (x86 with AVX-512F),
+//   avx2     8 floats per vector, four vectors per iteration (x86 with AVX2, FMA and F16C),
 //   portable a loop specialised per dtype pair that the compiler vectorises for the baseline.
 // The caller may ask for a specific one (the Python side reads COLOSSAL_CPU_ADAM_ISA); every
 // path computes the same formula and rounds fp16/bf16 copies to nearest even.
@@ -190,7 +192,7 @@ struct Portable {
 };
 
 #ifdef COLOSSAL_ADAM_X86
-// ---- AVX2 + FMA + F16C: two 8-float vectors per iteration ------------------------------------
+// ---- AVX2 + FMA + F16C: four 8-float vectors per iteration -----------------------------------
 
 template <int G>
 TARGET_AVX2 inline __m256 avx2_load_grad(const void* g, int64_t i) {
@@ -254,27 +256,42 @@ TARGET_AVX2 void avx2_range(const TensorArgs& t, const Hyper& h, int64_t begin, 
   float* __restrict__ param = t.param;
   float* __restrict__ exp_avg = t.exp_avg;
   float* __restrict__ exp_avg_sq = t.exp_avg_sq;
-  int64_t i = begin;
-  const int64_t vec_end = begin + ((end - begin) / 16) * 16;
-  for (; i < vec_end; i += 16) {
-    __m256 p[2], m[2];
+  // Updates elements j..j+15 (two vectors) into p.
+  const auto update = [&](int64_t j, __m256* p) TARGET_AVX2 {
     for (int k = 0; k < 2; ++k) {
-      const int64_t j = i + 8 * k;
-      __m256 g = _mm256_mul_ps(avx2_load_grad<G>(t.grad, j), scale);
-      p[k] = _mm256_loadu_ps(param + j);
+      const int64_t e = j + 8 * k;
+      __m256 g = _mm256_mul_ps(avx2_load_grad<G>(t.grad, e), scale);
+      p[k] = _mm256_loadu_ps(param + e);
       if (l2) g = _mm256_fmadd_ps(wd, p[k], g);
-      m[k] = _mm256_loadu_ps(exp_avg + j);
-      m[k] = _mm256_fmadd_ps(omb1, _mm256_sub_ps(g, m[k]), m[k]);
-      __m256 v = _mm256_mul_ps(b2, _mm256_loadu_ps(exp_avg_sq + j));
+      __m256 m = _mm256_loadu_ps(exp_avg + e);
+      m = _mm256_fmadd_ps(omb1, _mm256_sub_ps(g, m), m);
+      __m256 v = _mm256_mul_ps(b2, _mm256_loadu_ps(exp_avg_sq + e));
       v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
       const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), inv_bc2, eps);
       if (decoupled) p[k] = _mm256_mul_ps(p[k], decay);
-      p[k] = _mm256_fnmadd_ps(step_size, _mm256_div_ps(m[k], denom), p[k]);
-      _mm256_storeu_ps(exp_avg + j, m[k]);
-      _mm256_storeu_ps(exp_avg_sq + j, v);
-      _mm256_storeu_ps(param + j, p[k]);
+      p[k] = _mm256_fnmadd_ps(step_size, _mm256_div_ps(m, denom), p[k]);
+      _mm256_storeu_ps(exp_avg + e, m);
+      _mm256_storeu_ps(exp_avg_sq + e, v);
+      _mm256_storeu_ps(param + e, p[k]);
     }
+  };
+  int64_t i = begin;
+  // 32 elements per iteration, their copy stored last: the two halves of a 64-byte line of
+  // an fp16/bf16 copy are written back to back (a non-temporal line leaves at once).
+  for (const int64_t pair_end = begin + ((end - begin) / 32) * 32; i < pair_end; i += 32) {
+    __m256 p[4];
+    update(i, p);
+    update(i + 16, p + 2);
+    if (C != kNone) {
+      avx2_store_copy<C>(t.copy, i, p[0], p[1], t.stream_copy);
+      avx2_store_copy<C>(t.copy, i + 16, p[2], p[3], t.stream_copy);
+    }
+  }
+  if (end - i >= 16) {
+    __m256 p[2];
+    update(i, p);
     if (C != kNone) avx2_store_copy<C>(t.copy, i, p[0], p[1], t.stream_copy);
+    i += 16;
   }
   if (C != kNone && t.stream_copy) _mm_sfence();  // order them before the region's end
   if (i < end) portable_range<G, C>(t, h, i, end);
@@ -329,6 +346,33 @@ TARGET_AVX512 inline void avx512_store_copy(void* c, int64_t i, __m512 x, bool s
   }
 }
 
+// Copy elements i..i+31 (two vectors): a whole 64-byte line per store for fp16/bf16 copies,
+// so a non-temporal line is written at once; ``stream`` needs i's address 64-byte aligned.
+template <int C>
+TARGET_AVX512 inline void avx512_store_copy2(void* c, int64_t i, __m512 a, __m512 b,
+                                             bool stream) {
+  if (C == kFloat32) {
+    avx512_store_copy<C>(c, i, a, stream);
+    avx512_store_copy<C>(c, i + 16, b, stream);
+    return;
+  }
+  __m256i lo, hi;
+  if (C == kFloat16) {
+    lo = _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    hi = _mm512_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    lo = avx512_to_bf16(a);
+    hi = avx512_to_bf16(b);
+  }
+  const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  __m512i* out = reinterpret_cast<__m512i*>(static_cast<uint16_t*>(c) + i);
+  if (stream) {
+    _mm512_stream_si512(out, x);
+  } else {
+    _mm512_storeu_si512(out, x);
+  }
+}
+
 template <int G, int C>
 TARGET_AVX512 void avx512_range(const TensorArgs& t, const Hyper& h, int64_t begin,
                                 int64_t end) {
@@ -344,23 +388,33 @@ TARGET_AVX512 void avx512_range(const TensorArgs& t, const Hyper& h, int64_t beg
   float* __restrict__ param = t.param;
   float* __restrict__ exp_avg = t.exp_avg;
   float* __restrict__ exp_avg_sq = t.exp_avg_sq;
-  int64_t i = begin;
-  const int64_t vec_end = begin + ((end - begin) / 16) * 16;
-  for (; i < vec_end; i += 16) {
-    __m512 g = _mm512_mul_ps(avx512_load_grad<G>(t.grad, i), scale);
-    __m512 p = _mm512_loadu_ps(param + i);
+  // Updates elements j..j+15 and returns the new param.
+  const auto update = [&](int64_t j) TARGET_AVX512 {
+    __m512 g = _mm512_mul_ps(avx512_load_grad<G>(t.grad, j), scale);
+    __m512 p = _mm512_loadu_ps(param + j);
     if (l2) g = _mm512_fmadd_ps(wd, p, g);
-    __m512 m = _mm512_loadu_ps(exp_avg + i);
+    __m512 m = _mm512_loadu_ps(exp_avg + j);
     m = _mm512_fmadd_ps(omb1, _mm512_sub_ps(g, m), m);
-    __m512 v = _mm512_mul_ps(b2, _mm512_loadu_ps(exp_avg_sq + i));
+    __m512 v = _mm512_mul_ps(b2, _mm512_loadu_ps(exp_avg_sq + j));
     v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, v);
     const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_bc2, eps);
     if (decoupled) p = _mm512_mul_ps(p, decay);
     p = _mm512_fnmadd_ps(step_size, _mm512_div_ps(m, denom), p);
-    _mm512_storeu_ps(exp_avg + i, m);
-    _mm512_storeu_ps(exp_avg_sq + i, v);
-    _mm512_storeu_ps(param + i, p);
+    _mm512_storeu_ps(exp_avg + j, m);
+    _mm512_storeu_ps(exp_avg_sq + j, v);
+    _mm512_storeu_ps(param + j, p);
+    return p;
+  };
+  int64_t i = begin;
+  for (const int64_t pair_end = begin + ((end - begin) / 32) * 32; i < pair_end; i += 32) {
+    const __m512 p0 = update(i);
+    const __m512 p1 = update(i + 16);
+    if (C != kNone) avx512_store_copy2<C>(t.copy, i, p0, p1, t.stream_copy);
+  }
+  if (end - i >= 16) {
+    const __m512 p = update(i);
     if (C != kNone) avx512_store_copy<C>(t.copy, i, p, t.stream_copy);
+    i += 16;
   }
   if (C != kNone && t.stream_copy) _mm_sfence();  // order them before the region's end
   if (i < end) portable_range<G, C>(t, h, i, end);
@@ -413,6 +467,58 @@ RangeFn range_fn(int isa, int32_t grad_dtype, int32_t copy_dtype) {
   return pick<Portable>(grad_dtype, copy_dtype);
 }
 
+// Work items 0..items-1 shared by the threads of a step: one contiguous range per thread
+// (what a static schedule gives), taken from the front by its owner; a thread whose range is
+// done takes the others' remaining items from their back, one at a time. On a quiet machine
+// each thread streams through its own range; when a thread is preempted (a machine shared
+// with other work), the others finish its range instead of waiting for it at the region's
+// end. A range is one 64-bit word (next << 32 | end) changed by compare-and-swap, so an item
+// is run exactly once; items that no thread owns (a team smaller than asked for) are taken
+// the same way. Items are at most 2^32 - 1 (about 1.4e14 elements in 32768-element items).
+class WorkRanges {
+ public:
+  WorkRanges(int64_t items, int parts) : slots_(static_cast<size_t>(parts)) {
+    for (int t = 0; t < parts; ++t) {
+      const uint64_t lo = static_cast<uint64_t>(items * t / parts);
+      const uint64_t hi = static_cast<uint64_t>(items * (t + 1) / parts);
+      slots_[static_cast<size_t>(t)].range.store((lo << 32) | hi, std::memory_order_relaxed);
+    }
+  }
+
+  // Runs fn(item) for thread ``self``'s items, then for the items left in the other ranges.
+  template <class Fn>
+  void run(int self, const Fn& fn) {
+    const size_t parts = slots_.size();
+    int64_t item = 0;
+    while (take(slots_[static_cast<size_t>(self) % parts], true, &item)) fn(item);
+    for (size_t d = 1; d < parts; ++d) {
+      Slot& victim = slots_[(static_cast<size_t>(self) + d) % parts];
+      while (take(victim, false, &item)) fn(item);
+    }
+  }
+
+ private:
+  struct alignas(64) Slot {  // one cache line each: owners do not contend
+    std::atomic<uint64_t> range{0};
+  };
+
+  static bool take(Slot& slot, bool front, int64_t* item) {
+    uint64_t cur = slot.range.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t next = cur >> 32, end = cur & 0xFFFFFFFFu;
+      if (next >= end) return false;
+      const uint64_t want = front ? (((next + 1) << 32) | end) : ((next << 32) | (end - 1));
+      // Relaxed: items touch disjoint memory, and the region's end orders their writes.
+      if (slot.range.compare_exchange_weak(cur, want, std::memory_order_relaxed)) {
+        *item = static_cast<int64_t>(front ? next : end - 1);
+        return true;
+      }
+    }
+  }
+
+  std::vector<Slot> slots_;
+};
+
 }  // namespace
 
 extern "C" {
@@ -463,21 +569,26 @@ int colossal_adam_step(int64_t n, const int64_t* numels, float* const* params,
   }
   const int64_t items = static_cast<int64_t>(work.size());
   if (num_threads < 1) num_threads = 1;
+  const auto run_item = [&](int64_t w) {
+    const int64_t k = work[static_cast<size_t>(w)].first;
+    const int64_t begin = work[static_cast<size_t>(w)].second;
+    const int64_t end = begin + kChunk < numels[k] ? begin + kChunk : numels[k];
+    fns[k](tensors[k], h, begin, end);
+  };
   g_last_threads.store(1);
-#pragma omp parallel num_threads(num_threads) if (items > 1)
+  if (items <= 1 || num_threads == 1) {
+    for (int64_t w = 0; w < items; ++w) run_item(w);
+    return ran;
+  }
+  WorkRanges ranges(items, num_threads);
+#pragma omp parallel num_threads(num_threads)
   {
+    int self = 0;
 #ifdef _OPENMP
-    if (omp_get_thread_num() == 0) g_last_threads.store(omp_get_num_threads());
+    self = omp_get_thread_num();
+    if (self == 0) g_last_threads.store(omp_get_num_threads());
 #endif
-    // nowait: one synchronisation (the region's end) rather than two; on a busy machine
-    // each one that needs every thread scheduled again can cost a scheduler tick.
-#pragma omp for schedule(static) nowait
-    for (int64_t w = 0; w < items; ++w) {
-      const int64_t k = work[w].first;
-      const int64_t begin = work[w].second;
-      const int64_t end = begin + kChunk < numels[k] ? begin + kChunk : numels[k];
-      fns[k](tensors[k], h, begin, end);
-    }
+    ranges.run(self, run_item);
   }
   return ran;
 }

@@ -113,8 +113,9 @@ def test_ranks_get_default_sigint_under_an_ignoring_launcher(tmp_path, colossal_
     script.write_text(
         "import os, signal, sys\n"
         "h = signal.getsignal(signal.SIGINT)\n"
-        "print('rank', os.environ['RANK'], 'sigint',\n"
-        "      'default' if h is signal.default_int_handler else repr(h), flush=True)\n"
+        "state = 'default' if h is signal.default_int_handler else repr(h)\n"
+        "# one write per line: under PYTHONUNBUFFERED print's pieces interleave across ranks\n"
+        "os.write(1, f\"rank {os.environ['RANK']} sigint {state}\\n\".encode())\n"
     )
     cmd = [*colossal_cmd, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script)]  # fmt: skip

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from colossal.core import ParallelDims, set_seed
 from colossal.legacy.config import Config
 from colossal.legacy.context.initializer import GroupInfo, new_groups
+from colossal.legacy.context.layer_env import LayerEnv
 from colossal.legacy.context.parallel_config import ParallelSettings
 from colossal.legacy.context.parallel_mode import ParallelMode
 
@@ -94,6 +95,9 @@ class ParallelContext:
         self._seed: int | None = None
         self.virtual_pipeline_parallel_size: int | None = None
         self.virtual_pipeline_parallel_rank: int | None = None
+        #: State the mode-dispatched ``colossalai.nn`` layers pass along while a model is
+        #: built (see :mod:`colossal.legacy.context.layer_env`).
+        self.layer_env = LayerEnv()
 
     # ---- filled by launch ----------------------------------------------------------------
     def _install(

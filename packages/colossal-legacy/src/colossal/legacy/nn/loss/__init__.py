@@ -1,5 +1,6 @@
-"""Losses of ColossalAI's ``colossalai.nn.loss``."""
+"""Losses of ColossalAI's ``colossalai.nn.loss``, dispatched on the tensor mode."""
 
 from colossal.legacy.nn.loss.cross_entropy import CrossEntropyLoss
+from colossal.legacy.nn.loss.vocab_parallel import VocabParallelCrossEntropyLoss
 
-__all__ = ["CrossEntropyLoss"]
+__all__ = ["CrossEntropyLoss", "VocabParallelCrossEntropyLoss"]

@@ -136,6 +136,8 @@ def test_2d_layers(rank: int, world_size: int) -> None:
     assert type(mlp.dense_1) is Linear2D and type(mlp.dropout) is Dropout2D
     with pytest.raises(ValueError, match="not divisible"):
         col_nn.Linear(5, 8)
+    named = col_nn.layer.Linear2D(8, 12)  # the seeds' `from colossalai.nn import Linear2D`
+    assert tuple(named.weight.shape) == (6, 4) and named.state_dict()["weight"].shape == (12, 8)
     gpc.destroy()
     _mode_checks(dict(size=4, mode="2d"))
 

@@ -192,12 +192,9 @@ CONFIG_ERA: dict[str, Row] = {
         include=("layer", "loss", "lr_scheduler", "metric", "optimizer"),
         note="ColossalAI's nn/__init__ star-imports these five",
     ),
-    "colossalai.nn.layer": served(
-        "colossal.legacy.nn.layer",
-        tree=True,
-        partial=True,
-        note="partial: colossalai.nn.layer.wrapper is served before the layers are built",
-    ),
+    # The mode-dispatched layers (Linear, LayerNorm, Classifier... and Linear2D/2p5D/3D);
+    # colossalai.nn star-imports them, so `col_nn.Linear` resolves.
+    "colossalai.nn.layer": served("colossal.legacy.nn.layer", tree=True),
     "colossalai.nn.layer.wrapper": served(
         names={
             "PipelineSharedModuleWrapper": "colossal.legacy.pipeline:PipelineSharedModuleWrapper"

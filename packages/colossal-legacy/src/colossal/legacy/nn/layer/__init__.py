@@ -11,7 +11,9 @@ checkpoint moves between modes and the plain model.
 The seeds' pages run these in the order the forward uses them: the 1D Linear alternates
 column and row, and the 3D layers follow the cube's orientation, from the state each layer
 leaves on ``gpc.layer_env`` (:mod:`colossal.legacy.context.layer_env`). Build a model's
-layers in forward order; ``gpc.layer_env.reset()`` starts a fresh model.
+layers in forward order; ``gpc.layer_env.reset()`` starts a fresh model. ``Linear2D``,
+``Linear2p5D`` and ``Linear3D`` name one mode's Linear (the seeds' ``from colossalai.nn
+import Linear2D``).
 """
 
 from colossal.legacy.nn.layer.dropout import Dropout
@@ -22,6 +24,7 @@ from colossal.legacy.nn.layer.embedding import (
     VocabParallelEmbedding,
 )
 from colossal.legacy.nn.layer.linear import Classifier, Linear, VocabParallelClassifier
+from colossal.legacy.nn.layer.mode_linear import Linear2D, Linear2p5D, Linear3D
 from colossal.legacy.nn.layer.norm import LayerNorm
 
 __all__ = [
@@ -30,6 +33,9 @@ __all__ = [
     "Embedding",
     "LayerNorm",
     "Linear",
+    "Linear2D",
+    "Linear2p5D",
+    "Linear3D",
     "PatchEmbedding",
     "VanillaPatchEmbedding",
     "VocabParallelClassifier",

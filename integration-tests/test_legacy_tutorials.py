@@ -1,10 +1,10 @@
 """The seeds' config-era tutorials (examples/legacy/) run end to end and learn.
 
 Each tutorial script runs under torchrun on 2 CPU processes (the ViT step-by-step pipeline
-config on 4: pipeline 2 x data 2), shortened to ``EPOCHS`` epochs through the ``NUM_EPOCHS``
-environment variable, in a temporary working directory (the ViT data parallel script writes
-its checkpoints to ``./ckpt``). They use ``import colossalai`` (colossalai-compat) as the
-seeds do.
+config on 4: pipeline 2 x data 2; its 2D tensor parallel config on 4 and 3D on 8), shortened
+to ``EPOCHS`` epochs through the ``NUM_EPOCHS`` environment variable, in a temporary working
+directory (the ViT data parallel script writes its checkpoints to ``./ckpt``). They use
+``import colossalai`` (colossalai-compat) as the seeds do.
 
 A run must log every epoch's loss exactly once (one rank logs: rank 0, or the last pipeline
 stage) and the last must be below ``ratio`` times the first. The ratios sit between what the
@@ -117,6 +117,22 @@ TUTORIALS = {
         pattern=ENGINE_LOSS,
         ratio=0.8,  # reached 0.56
     ),
+    # the same script and model zoo ViT (colossalai.nn layers) with tensor parallel configs:
+    # 2D on 4 processes, 3D on 8 (the one world-8 case here)
+    "vit_tensor_2d": Tutorial(
+        script="vit_step_by_step/train_hybrid.py",
+        nproc=4,
+        args=("--config", str(_VIT_CONFIGS / "config_2d.py"), "--no-progress"),
+        pattern=ENGINE_LOSS,
+        ratio=0.8,  # reached 0.44
+    ),
+    "vit_tensor_3d": Tutorial(
+        script="vit_step_by_step/train_hybrid.py",
+        nproc=8,
+        args=("--config", str(_VIT_CONFIGS / "config_3d.py"), "--no-progress"),
+        pattern=ENGINE_LOSS,
+        ratio=0.8,  # reached 0.43
+    ),
     # "Train ViT Using Pipeline Parallelism" (build_pipeline_model)
     "vit_build_pipeline_model": Tutorial(
         script="vit_pipeline/train_vit_pipeline.py",
@@ -165,6 +181,31 @@ TUTORIALS = {
         ratio=0.8,  # reached 0.63
     ),
 }
+
+
+# The tensor parallel pages' MLP: what each prints, on 2 (1D) and 4 (2D) processes; 2.5D and
+# 3D (8 processes) print theirs in packages/colossal-legacy/tests/test_nn_layers.py.
+MLP_PRINTS = {
+    "1d": (2, ("[256, 512]", "[512, 256]", "[16, 256]", "[16, 512]", "[16, 256]")),
+    "2d": (4, ("[128, 512]", "[512, 128]", "[8, 128]", "[8, 512]", "[8, 128]")),
+}
+_MLP_LINES = (
+    "Weight of the first linear layer",
+    "Weight of the second linear layer",
+    "Input",
+    "Output of the first linear layer",
+    "Output of the second linear layer",
+)
+
+
+@pytest.mark.parametrize("mode", sorted(MLP_PRINTS))
+def test_tensor_parallel_mlp_prints_the_pages_shapes(mode: str, tmp_path: Path) -> None:
+    nproc, shapes = MLP_PRINTS[mode]
+    config = LEGACY / "tensor_parallel" / "configs" / f"tp_{mode}.py"
+    out = _run(tmp_path, "tensor_parallel/mlp.py", nproc, "--config", str(config))
+    for line, shape in zip(_MLP_LINES, shapes, strict=True):
+        printed = re.findall(rf"^{line}: torch\.Size\((\[[\d, ]+\])\)$", out, re.MULTILINE)
+        assert printed == [shape], f"{line}: {printed}, the page prints {shape}:\n{out}"
 
 
 @pytest.mark.parametrize("name", sorted(TUTORIALS))

@@ -9,6 +9,10 @@ The page's script with these changes: CIFAR-10 -> digits (``stand_ins.digits``) 
 data iterator made per epoch (the page makes it once, which runs dry after one epoch); the
 scheduler stepped per epoch (its ``total_steps`` are epochs); the epoch's mean loss logged on
 the last pipeline stage (the page logs nothing); ``--no-progress`` for tests.
+
+The tensor parallel configs run the same script: ``configs/config_2d.py`` on 4 processes
+(``tensor=dict(size=4, mode='2d')``) and ``configs/config_3d.py`` on 8 (``mode='3d'``); the
+model zoo's ViT is built of ``colossalai.nn`` layers, which take the config's mode.
 """
 
 import logging
@@ -146,7 +150,10 @@ def main() -> None:
             if loss is not None:  # the last pipeline stage has the loss
                 losses.append(loss.item())
         lr_scheduler.step()
-        if losses and gpc.get_local_rank(ParallelMode.DATA) == 0:
+        # one line per epoch: the first data-parallel replica's first tensor-parallel rank
+        # (the page logs nothing; under tensor parallelism every rank has the loss)
+        first = gpc.get_local_rank(ParallelMode.DATA) == 0
+        if losses and first and gpc.get_local_rank(ParallelMode.TENSOR) == 0:
             print(f"Epoch {epoch} - train loss: {sum(losses) / len(losses):.5}", flush=True)
     gpc.destroy()
 

@@ -1,14 +1,22 @@
-"""ColossalAI model zoo's ViT parts, with its names and arguments, on ``torch.nn``.
+"""ColossalAI model zoo's ViT parts, with its names and arguments, on ``colossalai.nn``.
+
+As in ColossalAI's zoo, the layers are ``colossalai.nn``'s mode-dispatched ones
+(``PatchEmbedding``, ``Linear``, ``LayerNorm``, ``Classifier``, ``Dropout``): torch's modules
+without tensor parallelism, the 1D/2D/2.5D/3D layers under ``tensor=dict(mode=...)``. The
+attention's fused ``query_key_value`` output is laid out head by head (each head's q, k and
+v side by side), so a rank's part of it holds whole heads in every mode; layers are built in
+the order the forward runs them (the 1D and 3D layers follow the previous one).
 
 ``init_method='torch'`` keeps PyTorch's initialization; ``'jax'`` uses the JAX ViT's (Xavier
-uniform weights, zero biases, truncated-normal class token and positions). ``checkpoint=True``
-recomputes a block's activations in the backward pass.
+uniform weights, zero biases, truncated-normal positions). ``checkpoint=True`` recomputes a
+block's activations in the backward pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import colossalai.nn as col_nn
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
@@ -16,13 +24,25 @@ from torch.utils.checkpoint import checkpoint as recompute
 __all__ = ["VisionTransformer", "ViTBlock", "ViTEmbedding", "ViTHead", "_create_vit_model"]
 
 
-def _init_linear(module: nn.Linear, init_method: str) -> None:
+def _xavier(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
+    nn.init.xavier_uniform_(tensor)
+
+
+def _zeros(tensor: torch.Tensor, fan_in: int, fan_out: int | None = None) -> None:
+    nn.init.zeros_(tensor)
+
+
+def _trunc_normal(tensor: torch.Tensor, *args: object, **kwargs: object) -> None:
+    nn.init.trunc_normal_(tensor, std=0.02)
+
+
+def _linear_init(init_method: str) -> dict[str, object]:
+    """The colossalai.nn initializers of a Linear for ``init_method``."""
     if init_method == "jax":
-        nn.init.xavier_uniform_(module.weight)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif init_method != "torch":
+        return dict(weight_initializer=_xavier, bias_initializer=_zeros)
+    if init_method != "torch":
         raise ValueError(f"init_method={init_method!r} must be 'torch' or 'jax'")
+    return {}
 
 
 class ViTEmbedding(nn.Module):
@@ -42,19 +62,14 @@ class ViTEmbedding(nn.Module):
         super().__init__()
         if not flatten:
             raise ValueError("ViTEmbedding(flatten=False) is not supported by this stand-in")
-        num_patches = (img_size // patch_size) ** 2
-        self.proj = nn.Conv2d(in_chans, embedding_dim, patch_size, stride=patch_size, dtype=dtype)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embedding_dim, dtype=dtype))
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embedding_dim, dtype=dtype))
-        self.dropout = nn.Dropout(dropout)
-        if init_method == "jax":
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-            nn.init.trunc_normal_(self.cls_token, std=0.02)
+        init = dict(position_embed_initializer=_trunc_normal) if init_method == "jax" else {}
+        self.patch_embed = col_nn.PatchEmbedding(
+            img_size, patch_size, in_chans, embedding_dim, dtype=dtype, **init
+        )
+        self.dropout = col_nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x).flatten(2).transpose(1, 2)
-        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
-        return self.dropout(x + self.pos_embed)
+        return self.dropout(self.patch_embed(x))
 
 
 class _SelfAttention(nn.Module):
@@ -63,21 +78,22 @@ class _SelfAttention(nn.Module):
         bias: bool, dtype: torch.dtype | None, init_method: str,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads = num_heads
+        self.attention_head_size = dim // num_heads
         self.attention_dropout = attention_dropout
-        self.query_key_value = nn.Linear(dim, 3 * dim, bias=bias, dtype=dtype)
-        self.dense = nn.Linear(dim, dim, bias=bias, dtype=dtype)
-        self.dropout = nn.Dropout(dropout)
-        for linear in (self.query_key_value, self.dense):
-            _init_linear(linear, init_method)
+        init = _linear_init(init_method)
+        self.query_key_value = col_nn.Linear(dim, 3 * dim, bias=bias, dtype=dtype, **init)
+        self.dense = col_nn.Linear(dim, dim, bias=bias, dtype=dtype, **init)
+        self.dropout = col_nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        qkv = self.query_key_value(x).reshape(b, n, 3, self.num_heads, c // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.query_key_value(x)  # this rank's heads: (b, n, heads * 3 * head_size)
+        heads = qkv.shape[-1] // (3 * self.attention_head_size)
+        qkv = qkv.reshape(*qkv.shape[:-1], heads, 3 * self.attention_head_size)
+        q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
         drop = self.attention_dropout if self.training else 0.0
         x = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=drop)
-        return self.dropout(self.dense(x.transpose(1, 2).reshape(b, n, c)))
+        x = x.transpose(1, 2).flatten(2)
+        return self.dropout(self.dense(x))
 
 
 class _MLP(nn.Module):
@@ -86,15 +102,15 @@ class _MLP(nn.Module):
         dropout: float, bias: bool, dtype: torch.dtype | None, init_method: str,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.dense_1 = nn.Linear(dim, int(dim * mlp_ratio), bias=bias, dtype=dtype)
+        init = _linear_init(init_method)
+        self.dense_1 = col_nn.Linear(dim, int(dim * mlp_ratio), bias=bias, dtype=dtype, **init)
         self.activation = activation
-        self.dense_2 = nn.Linear(int(dim * mlp_ratio), dim, bias=bias, dtype=dtype)
-        self.dropout = nn.Dropout(dropout)
-        for linear in (self.dense_1, self.dense_2):
-            _init_linear(linear, init_method)
+        self.dropout_1 = col_nn.Dropout(dropout)
+        self.dense_2 = col_nn.Linear(int(dim * mlp_ratio), dim, bias=bias, dtype=dtype, **init)
+        self.dropout = col_nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(self.activation(self.dense_1(x)))
+        x = self.dropout_1(self.activation(self.dense_1(x)))
         return self.dropout(self.dense_2(x))
 
 
@@ -119,11 +135,11 @@ class ViTBlock(nn.Module):
         super().__init__()
         if drop_path:
             raise ValueError("ViTBlock(drop_path>0) is not supported by this stand-in")
-        self.norm1 = nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
+        self.norm1 = col_nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
         self.attn = _SelfAttention(
             dim, num_heads, attention_dropout, dropout, bias, dtype, init_method
         )
-        self.norm2 = nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
+        self.norm2 = col_nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
         self.mlp = _MLP(dim, mlp_ratio, activation, dropout, bias, dtype, init_method)
         self.checkpoint = checkpoint
 
@@ -153,14 +169,15 @@ class ViTHead(nn.Module):
         super().__init__()
         self.representation: nn.Module = nn.Identity()
         if representation_size:
-            dense = nn.Linear(dim, representation_size, bias=bias, dtype=dtype)
-            _init_linear(dense, init_method)
+            dense = col_nn.Linear(
+                dim, representation_size, bias=bias, dtype=dtype, **_linear_init(init_method)
+            )
             self.representation = nn.Sequential(dense, nn.Tanh())
             dim = representation_size
-        self.dense = nn.Linear(dim, num_classes, bias=bias, dtype=dtype)
-        if init_method == "jax":
-            nn.init.zeros_(self.dense.weight)
-            nn.init.zeros_(self.dense.bias)
+        init = dict(weight_initializer=_zeros, bias_initializer=_zeros)
+        self.dense = col_nn.Classifier(
+            dim, num_classes, bias=bias, dtype=dtype, **(init if init_method == "jax" else {})
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense(self.representation(x[:, 0]))
@@ -211,7 +228,7 @@ class VisionTransformer(nn.Module):
             )
             for _ in range(depth)
         ]
-        norm = nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
+        norm = col_nn.LayerNorm(dim, eps=layernorm_epsilon, dtype=dtype)
         head = ViTHead(dim, num_classes, representation_size, dtype, bias, init_method)
         self.layers = nn.Sequential(embed, *blocks, norm, head)
 

@@ -1,13 +1,13 @@
 """The page's ``hybrid_parallel/model/vit.py``: a ViT built stage by stage for the pipeline.
 
-As on the page, with ``col_nn.LayerNorm`` -> ``torch.nn.LayerNorm`` (ColossalAI's
-mode-dispatched layers are not built yet; without tensor parallelism they are a LayerNorm)
-and the default device the accelerator's instead of ``'cuda'``.
+As on the page (``col_nn.LayerNorm``: the tensor mode's LayerNorm), with the default device
+the accelerator's instead of ``'cuda'``.
 """
 
 import inspect
 from collections.abc import Callable
 
+import colossalai.nn as col_nn
 import torch
 from colossalai.builder.pipeline import partition_uniform
 from colossalai.context import ParallelMode
@@ -93,7 +93,7 @@ class PipelineVisionTransformer(nn.Module):
         layers.extend(blocks)
 
         if last_stage:
-            norm = nn.LayerNorm(normalized_shape=dim, eps=layernorm_epsilon, dtype=dtype)
+            norm = col_nn.LayerNorm(normalized_shape=dim, eps=layernorm_epsilon, dtype=dtype)
             head = ViTHead(
                 dim=dim,
                 num_classes=num_classes,

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
+    from colossal.shardformer.grid.plan import GridPlan
     from colossal.shardformer.pipeline.manager import StageManagerLike
     from colossal.shardformer.pipeline.plan import StagePlan
     from colossal.shardformer.shard.config import ShardConfig
@@ -111,10 +113,17 @@ class Policy(ABC):
 
     @property
     def tp_size(self) -> int:
-        """The tensor-parallel size (1 when tensor parallelism is off)."""
+        """The tensor-parallel size (1 when tensor parallelism is off).
+
+        In a grid mode (``"2d"``, ``"2.5d"``, ``"3d"``) the number of parts the hidden dim
+        and the attention heads are split into, ``q``: what head counts must divide by.
+        """
         assert self.shard_config is not None, "set_shard_config first"
         if not self.shard_config.enable_tensor_parallelism:
             return 1
+        if getattr(self.shard_config, "is_grid_mode", False) and dist.is_initialized():
+            # heads and widths are split over the grid's q hidden parts (see grid_plan)
+            return self.shard_config.grid_dims().tp_grid_shape[-1]
         return self.shard_config.tensor_parallel_size
 
     @property
@@ -139,6 +148,19 @@ class Policy(ABC):
         """Adjust the model after sharding (default: as it is)."""
         assert self.model is not None
         return self.model
+
+    def grid_plan(self) -> GridPlan:
+        """How the 2D / 2.5D / 3D modes shard the model's transformer blocks.
+
+        Raises:
+            NotImplementedError: The policy has no grid plan (default).
+        """
+        mode = None if self.shard_config is None else self.shard_config.tensor_parallel_mode
+        raise NotImplementedError(
+            f"{type(self).__name__} has no grid_plan() for tensor_parallel_mode={mode!r}; "
+            "implement Policy.grid_plan() returning a colossal.shardformer.grid.GridPlan, or "
+            "use tensor_parallel_mode='1d'"
+        )
 
     def get_shared_params(self) -> list[dict[int, torch.Tensor]]:
         """Parameters shared between pipeline stages, as ``{stage: param}`` (default: none)."""

@@ -11,11 +11,16 @@ it) a vocab-parallel LM head; pooler and classification heads stay replicated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, dropout_descriptions, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
+
+if TYPE_CHECKING:
+    from colossal.shardformer.grid import GridPlan
 
 __all__ = [
     "POLICIES",
@@ -83,6 +88,47 @@ class BertPolicy(TPPolicy):
                 sub_module_replacement=dropout_descriptions(["dropout"])
             ),
         }
+
+    def grid_plan(self) -> GridPlan:
+        """The 2D / 2.5D / 3D plan of the ``encoder.layer`` blocks.
+
+        q/k/v and ``intermediate.dense`` read the hidden state, the two output ``dense``
+        layers write back; both ``LayerNorm`` are grid norms; the self-attention's head count
+        and ``all_head_size`` are divided by ``q``. Embeddings, pooler and heads stay whole.
+
+        Raises:
+            NotImplementedError: Cross-attention (``add_cross_attention``).
+        """
+        from colossal.shardformer.grid import GridPlan
+
+        assert self.model is not None
+        config = self.model.config
+        if getattr(config, "add_cross_attention", False):
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: the grid tensor-parallel modes do not shard BERT "
+                "cross-attention (config.add_cross_attention=True); use tensor_parallel_mode='1d'"
+            )
+        return GridPlan(
+            layers=f"{self.base_prefix}encoder.layer",
+            linears={
+                "attention.self.query": "in",
+                "attention.self.key": "in",
+                "attention.self.value": "in",
+                "attention.output.dense": "out",
+                "intermediate.dense": "in",
+                "output.dense": "out",
+            },
+            norms=("attention.output.LayerNorm", "output.LayerNorm"),
+            heads={
+                "attention.self.num_attention_heads": config.num_attention_heads,
+                "attention.self.all_head_size": config.hidden_size,
+            },
+            widths={
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+            },
+            head_counts={"num_attention_heads": config.num_attention_heads},
+        )
 
     def after_lm_head(self, native: nn.Module, head: nn.Module) -> None:
         """Keep ``cls.predictions.bias`` the decoder's bias (HF ties them) once it is sharded."""

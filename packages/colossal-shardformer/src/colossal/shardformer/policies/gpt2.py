@@ -9,6 +9,8 @@ tied to it, a vocab-parallel LM head; classification heads stay replicated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, dropout_descriptions
 from colossal.shardformer.policies.base_policy import (
@@ -16,6 +18,9 @@ from colossal.shardformer.policies.base_policy import (
     PolicyMap,
     SubModuleReplacementDescription,
 )
+
+if TYPE_CHECKING:
+    from colossal.shardformer.grid import GridPlan
 
 __all__ = ["POLICIES", "GPT2LMHeadModelPolicy", "GPT2Policy"]
 
@@ -94,6 +99,30 @@ class GPT2Policy(TPPolicy):
             ),
         }
         return policy
+
+
+    def grid_plan(self) -> GridPlan:
+        """The 2D / 2.5D / 3D plan of the ``h`` blocks.
+
+        ``c_attn`` (q, k, v fused) and ``mlp.c_fc`` read the hidden state, the two ``c_proj``
+        write back; ``ln_1``/``ln_2`` are grid norms; the attention's ``num_heads`` and
+        ``split_size`` are divided by ``q``.
+        """
+        from colossal.shardformer.grid import GridPlan
+
+        assert self.model is not None
+        config = self.model.config
+        inner = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+        return GridPlan(
+            layers=f"{self.base_prefix}h",
+            linears={"attn.c_attn": "in", "attn.c_proj": "out", "mlp.c_fc": "in",
+                     "mlp.c_proj": "out"},
+            fused={"attn.c_attn": 3},
+            norms=("ln_1", "ln_2"),
+            heads={"attn.num_heads": config.n_head, "attn.split_size": config.hidden_size},
+            widths={"hidden_size": config.hidden_size, "n_inner": inner},
+            head_counts={"num_attention_heads": config.n_head},
+        )  # fmt: skip
 
 
 class GPT2LMHeadModelPolicy(GPT2Policy):

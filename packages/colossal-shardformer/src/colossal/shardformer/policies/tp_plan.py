@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from colossal.shardformer.grid import GridPlan
 
 from colossal.shardformer.policies.base_policy import (
     ModulePolicyDescription,
@@ -298,6 +301,81 @@ class TPPlanPolicy(Policy):
             if has_params and suffix not in planned:
                 return False
         return True
+
+    def grid_plan(self) -> GridPlan:
+        """The 2D / 2.5D / 3D plan derived from the tensor-parallel plan.
+
+        The blocks are the container of the plan's ``*`` keys (``model.layers``); ``colwise``
+        layers read the block's hidden state (role ``"in"``), ``rowwise`` ones write back to it
+        (``"out"``), ``replicated_with_grad_allreduce`` modules stay whole with their gradients
+        summed over the grid. The block's LayerNorms and Llama-style RMSNorms become grid norms;
+        keys without ``*`` (embedding, LM head) stay replicated.
+
+        Raises:
+            NotImplementedError: A style the grid modes do not support inside the blocks, or
+                keys spread over several containers.
+        """
+        from colossal.shardformer.grid import GridPlan
+        from colossal.shardformer.grid.layers import is_rms_norm
+        from colossal.shardformer.shard.sharder import get_submodule
+
+        assert self.model is not None
+        name = type(self.model).__name__
+        layers: str | None = None
+        linears: dict[str, str] = {}
+        replicated: list[str] = []
+        for key, style in model_tp_plan(self.model).items():
+            if ".*." not in key:
+                continue  # outside the blocks: replicated in the grid modes
+            container, _, suffix = key.partition(".*.")
+            if layers not in (None, container):
+                raise NotImplementedError(
+                    f"{name}: the tensor-parallel plan has blocks under {layers!r} and "
+                    f"{container!r}; the grid modes shard one list of blocks (write a policy)"
+                )
+            layers = container
+            if style in ("colwise", "rowwise"):
+                linears[suffix] = "in" if style == "colwise" else "out"
+            elif style == "replicated_with_grad_allreduce":
+                replicated.append(suffix)
+            else:
+                raise NotImplementedError(
+                    f"{name}: tensor-parallel style {style!r} of {key!r} is not supported by "
+                    "the grid modes (supported inside the blocks: colwise, rowwise, "
+                    "replicated_with_grad_allreduce); use tensor_parallel_mode='1d'"
+                )
+        if layers is None:
+            raise NotImplementedError(f"{name}: the tensor-parallel plan names no blocks")
+        blocks = get_submodule(self.model, layers)
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+            raise NotImplementedError(f"{name}: {layers!r} is not a list of blocks")
+        example = blocks[0]
+        norms = tuple(
+            n for n, m in example.named_modules()
+            if n and not any(n == r or n.startswith(f"{r}.") for r in replicated)
+            and (isinstance(m, nn.LayerNorm) or is_rms_norm(m))
+        )  # fmt: skip
+        heads: dict[str, int] = {}
+        for suffix, role in linears.items():
+            parent = _parent(suffix)
+            owner = get_submodule(example, parent)
+            for attr in _HEAD_ATTRIBUTES:
+                value = getattr(owner, attr, None)
+                if role == "in" and isinstance(value, int) and not isinstance(value, bool):
+                    heads[f"{parent}.{attr}" if parent else attr] = value
+        config = self._text_config()
+        sizes = {n: getattr(config, n, None) for n in ("hidden_size", "intermediate_size")}
+        heads_names = ("num_attention_heads", "num_key_value_heads")
+        counts = {n: getattr(config, n, None) for n in heads_names}
+        return GridPlan(
+            layers=layers,
+            linears=linears,
+            norms=norms,
+            replicated_grad=tuple(replicated),
+            heads=heads,
+            widths={k: v for k, v in sizes.items() if isinstance(v, int)},
+            head_counts={k: v for k, v in counts.items() if isinstance(v, int)},
+        )
 
     def postprocess(self) -> nn.Module:
         """Install the vocab-parallel loss when the LM head keeps its logits split."""

@@ -11,9 +11,14 @@ pooler and the image-classification head stay replicated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from colossal.shardformer.pipeline.plan import StagePlan
 from colossal.shardformer.policies._common import TPPolicy, col, dropout_descriptions, row
 from colossal.shardformer.policies.base_policy import ModulePolicyDescription, PolicyMap
+
+if TYPE_CHECKING:
+    from colossal.shardformer.grid import GridPlan
 
 __all__ = ["POLICIES", "ViTPolicy"]
 
@@ -38,6 +43,36 @@ class ViTPolicy(TPPolicy):
             last={"layernorm": "identity", "pooler": "identity"},
             feed="pixel_values",
             dtype_probes={"embeddings": "patch_embeddings.projection.weight"},
+        )
+
+    def grid_plan(self) -> GridPlan:
+        """The 2D / 2.5D / 3D plan of the ``layers`` blocks.
+
+        q/k/v and ``mlp.fc1`` read the hidden state, ``o_proj`` and ``mlp.fc2`` write back;
+        ``layernorm_before``/``layernorm_after`` are grid norms; the attention's head count is
+        divided by ``q``. Patch embedding, final norm, pooler and classifier stay whole.
+        """
+        from colossal.shardformer.grid import GridPlan
+
+        assert self.model is not None
+        config = self.model.config
+        return GridPlan(
+            layers=f"{self.base_prefix}layers",
+            linears={
+                "attention.q_proj": "in",
+                "attention.k_proj": "in",
+                "attention.v_proj": "in",
+                "attention.o_proj": "out",
+                "mlp.fc1": "in",
+                "mlp.fc2": "out",
+            },
+            norms=("layernorm_before", "layernorm_after"),
+            heads={"attention.num_attention_heads": config.num_attention_heads},
+            widths={
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+            },
+            head_counts={"num_attention_heads": config.num_attention_heads},
         )
 
     def layer_policy(self) -> PolicyMap:

@@ -9,15 +9,29 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from colossal.core import ParallelDims
+
 if TYPE_CHECKING:
     from colossal.shardformer.pipeline.manager import StageManagerLike
 
-__all__ = ["SEQUENCE_PARALLELISM_MODES", "TP_SEQUENCE_MODES", "ShardConfig"]
+__all__ = [
+    "GRID_TENSOR_PARALLEL_MODES",
+    "SEQUENCE_PARALLELISM_MODES",
+    "TENSOR_PARALLEL_MODES",
+    "TP_SEQUENCE_MODES",
+    "ShardConfig",
+]
 
 logger = logging.getLogger(__name__)
 
 SEQUENCE_PARALLELISM_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 """Values ``sequence_parallelism_mode`` accepts (with ``enable_sequence_parallelism``)."""
+
+TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
+"""Values ``tensor_parallel_mode`` accepts (None means ``"1d"``)."""
+
+GRID_TENSOR_PARALLEL_MODES = ("2d", "2.5d", "3d")
+"""Tensor-parallel modes that arrange the ranks in a grid (``colossal.shardformer.grid``)."""
 
 TP_SEQUENCE_MODES = ("split_gather", "ring")
 """Sequence-parallel modes that split the sequence inside the tensor-parallel group."""
@@ -74,6 +88,19 @@ class ShardConfig:
             an object with ColossalAI's ``get_num_ckpt_layers(stage, num_stages,
             num_model_chunks, model_chunk_id=0)`` (e.g. ``PipelineGradientCheckpointConfig``).
         enable_all_optimization: Turn on fused normalization, flash attention and JIT fusion.
+        tensor_parallel_mode: ``"1d"`` (Megatron, the default; None means it), ``"2d"``
+            (SUMMA on a q x q grid), ``"2.5d"`` (Tesseract, ``tensor_parallel_depth`` layers of
+            a q x q grid) or ``"3d"`` (a q x q x q cube). The grid modes split every transformer
+            block's activation on the batch and the hidden dim (2D: ``[B/q, S, H/q]``) with the
+            layers of ``colossal.shardformer.layer.tp2d`` / ``tp2p5d`` / ``tp3d``, through the
+            policy's ``grid_plan()``; embeddings, final norm and heads stay replicated (see
+            :mod:`colossal.shardformer.grid`). Not with pipeline or sequence parallelism.
+        tensor_parallel_depth: The 2.5D grid's depth ``d`` (ColossalAI's ``depth``; 1 for the
+            other modes).
+        parallel_dims: The job's :class:`~colossal.core.ParallelDims` whose ``tp`` axis is the
+            grid (its ``tp_mode`` and ``tp_depth`` must match). None: the grid spans
+            ``tensor_parallel_process_group``, which must then be the whole job; pass it when
+            the grid is part of a larger layout (data parallelism around it).
 
     Raises:
         TypeError: An option of the wrong type.
@@ -94,6 +121,9 @@ class ShardConfig:
     make_vocab_size_divisible_by: int = 64
     gradient_checkpoint_config: Any = None
     enable_all_optimization: bool = False
+    tensor_parallel_mode: str | None = None
+    tensor_parallel_depth: int = 1
+    parallel_dims: ParallelDims | None = None
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -114,6 +144,7 @@ class ShardConfig:
                 )
         self._check_sequence_parallelism()
         self._check_pipeline()
+        self._check_tensor_parallel_mode()
         if self.enable_all_optimization:
             self.enable_fused_normalization = True
             self.enable_flash_attention = True
@@ -169,6 +200,92 @@ class ShardConfig:
                 "num_stages, num_model_chunks, model_chunk_id=0) (use colossal.shardformer."
                 f"PipelineGradientCheckpointConfig), got {type(ckpt).__name__}"
             )
+
+    def _check_tensor_parallel_mode(self) -> None:
+        mode, depth = self.tensor_parallel_mode, self.tensor_parallel_depth
+        if mode is not None and mode not in TENSOR_PARALLEL_MODES:
+            raise ValueError(
+                f"ShardConfig.tensor_parallel_mode={mode!r} is not one of "
+                f"{TENSOR_PARALLEL_MODES} (or None for '1d')"
+            )
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(
+                f"ShardConfig.tensor_parallel_depth must be an int >= 1, got {depth!r}"
+            )
+        if depth != 1 and mode != "2.5d":
+            raise ValueError(
+                f"ShardConfig.tensor_parallel_depth={depth} applies to tensor_parallel_mode="
+                f"'2.5d' only (got {mode!r}); leave it at 1"
+            )
+        dims = self.parallel_dims
+        if dims is not None and not isinstance(dims, ParallelDims):
+            raise TypeError(
+                "ShardConfig.parallel_dims must be a colossal.core.ParallelDims or None, got "
+                f"{type(dims).__name__}"
+            )
+        if mode not in GRID_TENSOR_PARALLEL_MODES:
+            return
+        if dims is not None and (dims.tp_mode, dims.tp_depth) != (mode, depth):
+            raise ValueError(
+                f"ShardConfig.parallel_dims has tp_mode={dims.tp_mode!r}, tp_depth="
+                f"{dims.tp_depth}, but tensor_parallel_mode={mode!r}, tensor_parallel_depth="
+                f"{depth}; build ParallelDims(tp=..., tp_mode={mode!r}"
+                + (f", tp_depth={depth})" if mode == "2.5d" else ")")
+            )
+        for what, on in (
+            ("enable_sequence_parallelism=True", self.enable_sequence_parallelism),
+            ("a pipeline_stage_manager", self.pipeline_stage_manager is not None),
+            ("a gradient_checkpoint_config", self.gradient_checkpoint_config is not None),
+        ):
+            if on:
+                raise ValueError(
+                    f"ShardConfig(tensor_parallel_mode={mode!r}) does not support {what} yet; "
+                    "use tensor_parallel_mode='1d' for it"
+                )
+        if dims is not None and dist.is_initialized():
+            if self.tensor_parallel_process_group is None:
+                self.tensor_parallel_process_group = dims.group("tp")
+            elif dist.get_world_size(self.tensor_parallel_process_group) != dims.tp:
+                raise ValueError(
+                    "ShardConfig.tensor_parallel_process_group has "
+                    f"{dist.get_world_size(self.tensor_parallel_process_group)} ranks but "
+                    f"parallel_dims.tp={dims.tp}; pass parallel_dims.group('tp') (or leave the "
+                    "group None)"
+                )
+
+    @property
+    def is_grid_mode(self) -> bool:
+        """Whether ``tensor_parallel_mode`` is a grid mode (``"2d"``, ``"2.5d"``, ``"3d"``)."""
+        return self.tensor_parallel_mode in GRID_TENSOR_PARALLEL_MODES
+
+    def grid_dims(self) -> ParallelDims:
+        """The :class:`~colossal.core.ParallelDims` of the grid (built once when not given).
+
+        Without ``parallel_dims`` the grid spans ``tensor_parallel_process_group``, which must
+        then be the whole job.
+
+        Raises:
+            ValueError: Not a grid mode, or the group is not the whole job and no
+                ``parallel_dims`` was given, or the group's size does not fit the mode.
+        """
+        if not self.is_grid_mode:
+            raise ValueError(
+                f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not a grid mode"
+            )
+        if self.parallel_dims is None:
+            world = dist.get_world_size()
+            tp = self.tensor_parallel_size
+            if tp != world:
+                raise ValueError(
+                    f"ShardConfig(tensor_parallel_mode={self.tensor_parallel_mode!r}): the "
+                    f"tensor-parallel group has {tp} of the {world} ranks; pass parallel_dims="
+                    f"ParallelDims(dp=..., tp={tp}, tp_mode={self.tensor_parallel_mode!r}) "
+                    "so the grid's rows, columns and depth are groups of that layout"
+                )
+            self.parallel_dims = ParallelDims(
+                tp=tp, tp_mode=self.tensor_parallel_mode, tp_depth=self.tensor_parallel_depth
+            )
+        return self.parallel_dims
 
     @property
     def sequence_parallel_group(self) -> ProcessGroup | None:

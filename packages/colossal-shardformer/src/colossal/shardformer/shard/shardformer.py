@@ -96,6 +96,13 @@ class ShardFormer:
         result = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         return result, shared
 
+    def _apply_grid(self, model: nn.Module, policy: Policy) -> ShardSummary:
+        """The 2D / 2.5D / 3D modes: the policy's grid plan applied with the mode's layers."""
+        from colossal.shardformer.grid import apply_grid_parallelism, grid_mode
+
+        dims = self.shard_config.grid_dims()
+        return apply_grid_parallelism(model, policy.grid_plan(), grid_mode(dims), dims.group("tp"))
+
     def _shard_chunk(self, model: nn.Module, policy: Policy, chunk_id: int) -> nn.Module:
         """Apply everything but the pipeline split to one model chunk."""
         config = self.shard_config
@@ -103,7 +110,10 @@ class ShardFormer:
         model = policy.preprocess()
         before = _local_numel(model)
         tp = config.enable_tensor_parallelism and dist.is_initialized()
-        if tp:
+        grid = tp and config.is_grid_mode
+        if grid:
+            self.summary = self._apply_grid(model, policy)
+        elif tp:
             self.summary = apply_module_policy(
                 model, policy.module_policy(), config.tensor_parallel_process_group
             )
@@ -111,7 +121,8 @@ class ShardFormer:
             logger.info(
                 "torch.distributed is not initialized: %s is not split", type(model).__name__
             )
-        model = policy.postprocess()
+        if not grid:  # the 1D postprocess installs vocab-parallel losses; grid heads are whole
+            model = policy.postprocess()
         if config.enable_sequence_parallelism:
             from colossal.shardformer.sequence import apply_sequence_parallelism
 

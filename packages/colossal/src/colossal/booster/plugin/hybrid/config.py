@@ -35,6 +35,9 @@ SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
 
 _TP_GROUP_MODES = ("split_gather", "ring")
 
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+"""Tensor-parallel modes: Megatron's 1D, and the grids of SUMMA (2D), Tesseract (2.5D), 3D."""
+
 
 def _size(name: str, value: object, allow_none: bool = False) -> None:
     if allow_none and value is None:
@@ -67,6 +70,8 @@ class HybridConfig:
     max_norm: float = 0.0
     zero_bucket_size_in_m: float = 12
     dp_outside: bool = True
+    tensor_parallel_mode: str = "1d"
+    tp_depth: int = 1
 
     def __post_init__(self) -> None:
         _size("tp_size", self.tp_size)
@@ -92,6 +97,7 @@ class HybridConfig:
             )
         self._check_sequence()
         self._check_pipeline()
+        self._check_tensor_parallel_mode()
         model_parallel = self.tp_size * self.pp_size * self.resolved_sp_size
         if self.world_size % model_parallel:
             raise ValueError(
@@ -176,6 +182,35 @@ class HybridConfig:
                 f"HybridParallelPlugin: num_layers_per_stage={list(layers)} has {len(layers)} "
                 f"entries; give one per stage and chunk ({self.pp_size} x {chunks})"
             )
+
+    def _check_tensor_parallel_mode(self) -> None:
+        mode, depth = self.tensor_parallel_mode, self.tp_depth
+        if mode not in TP_MODES:
+            raise ValueError(
+                f"HybridParallelPlugin: tensor_parallel_mode={mode!r} must be one of {TP_MODES}"
+            )
+        _size("tp_depth", depth)
+        if depth != 1 and mode != "2.5d":
+            raise ValueError(
+                f"HybridParallelPlugin: tp_depth={depth} applies to tensor_parallel_mode='2.5d' "
+                f"only (got {mode!r}); leave it at 1"
+            )
+        if mode == "1d":
+            return
+        for what, on in (
+            (f"pp_size={self.pp_size}", self.pp_size > 1),
+            ("enable_sequence_parallelism=True", self.enable_sequence_parallelism),
+        ):
+            if on:
+                raise ValueError(
+                    f"HybridParallelPlugin: tensor_parallel_mode={mode!r} does not support "
+                    f"{what} yet; use tensor_parallel_mode='1d' for it"
+                )
+
+    @property
+    def grid_tp_mode(self) -> str | None:
+        """``ParallelDims``' ``tp_mode``: None for 1D, else the grid mode."""
+        return None if self.tensor_parallel_mode == "1d" else self.tensor_parallel_mode
 
     @property
     def resolved_sp_size(self) -> int:

@@ -141,6 +141,14 @@ class HybridParallelPlugin(DPPluginBase):
         make_vocab_size_divisible_by: Pad the vocabulary to a multiple of this times tp.
         dp_outside: Data parallel as the outermost axis (else pipeline outermost).
         verbose: Log overflows and scale changes at INFO level.
+        tensor_parallel_mode: ``"1d"`` (Megatron, default), ``"2d"`` (``tp_size`` = q*q),
+            ``"2.5d"`` (``tp_size`` = ``tp_depth`` * q*q) or ``"3d"`` (``tp_size`` = q**3):
+            ColossalAI's ``parallel=dict(tensor=dict(size=..., mode=..., depth=...))``. The grid
+            modes shard the transformer blocks with the layers of colossal-shardformer's
+            ``tp2d`` / ``tp2p5d`` / ``tp3d`` (see ``colossal.shardformer.grid``); the
+            per-replica batch must divide by the grid's batch split (q, depth*q, q*q). Not
+            with a pipeline or sequence parallelism.
+        tp_depth: The 2.5D grid's depth (ColossalAI's ``depth``).
 
     Raises:
         ValueError: A size or combination that cannot work, naming the values.
@@ -194,6 +202,8 @@ class HybridParallelPlugin(DPPluginBase):
         make_vocab_size_divisible_by: int = 64,
         dp_outside: bool = True,
         verbose: bool = False,
+        tensor_parallel_mode: str = "1d",
+        tp_depth: int = 1,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -218,6 +228,8 @@ class HybridParallelPlugin(DPPluginBase):
             max_norm=float(max_norm),
             zero_bucket_size_in_m=zero_bucket_size_in_m,
             dp_outside=dp_outside,
+            tensor_parallel_mode=tensor_parallel_mode,
+            tp_depth=tp_depth,
         )
         if ddp_bucket_cap_mb <= 0:
             raise ValueError(f"HybridParallelPlugin: ddp_bucket_cap_mb={ddp_bucket_cap_mb!r} "
@@ -225,7 +237,7 @@ class HybridParallelPlugin(DPPluginBase):
         cfg = self.config
         order = ("dp", "pp", "sp", "tp") if dp_outside else ("pp", "dp", "sp", "tp")
         dims = ParallelDims(dp=cfg.dp_size, pp=pp_size, tp=tp_size, sp=cfg.resolved_sp_size,
-                            order=order)
+                            order=order, tp_mode=cfg.grid_tp_mode, tp_depth=tp_depth)
         super().__init__(parallel_dims=dims)
         # Every group now, in one order on every rank (creating groups is collective).
         self.tp_group = dims.group("tp")
@@ -382,6 +394,12 @@ class HybridParallelPlugin(DPPluginBase):
         return super().enable_lora(model, *args, **kwargs)
 
     def _lora_refusal(self) -> str:
+        if self.config.grid_tp_mode is not None:
+            return (
+                f"HybridParallelPlugin(tensor_parallel_mode={self.config.tensor_parallel_mode!r}) "
+                "does not support LoRA: the adapters have no grid layers. Use "
+                "tensor_parallel_mode='1d'"
+            )
         if self.tp_size > 1 and self.config.enable_sequence_parallelism:
             return (
                 f"HybridParallelPlugin(tp_size={self.tp_size}, enable_sequence_parallelism=True) "
@@ -417,6 +435,9 @@ class HybridParallelPlugin(DPPluginBase):
             enable_tensor_parallelism=self.tp_size > 1,
             enable_sequence_parallelism=cfg.enable_sequence_parallelism,
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
+            tensor_parallel_mode=cfg.tensor_parallel_mode,
+            tensor_parallel_depth=cfg.tp_depth,
+            parallel_dims=self.parallel_dims if cfg.grid_tp_mode is not None else None,
             **self.shard_options.shard_config_kwargs(),
         )
         inner, peft_model, prefix = peft_parts(model)

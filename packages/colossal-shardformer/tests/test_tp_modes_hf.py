@@ -7,7 +7,8 @@ parameters' marks), the replicated gradients' agreement over the grid, and the p
 after SGD steps with the plain model built from the same seed. Also: the whole-tensor state
 dict against the plain model's both ways, and the clear errors for shapes that do not divide.
 
-2D at world 4 (q = 2); 2.5D (d = q = 2) and 3D (q = 2) at world 8 in one function.
+2D at world 4 (q = 2); 2.5D (d = q = 2) and 3D (q = 2) at world 8 in one function (Llama in
+both, GPT-2 in 3D).
 """
 
 from __future__ import annotations
@@ -139,10 +140,15 @@ def test_tp2d_bert_and_vit_match_the_plain_model(rank: int, world_size: int) -> 
 @distributed_test(8, timeout=900.0)
 def test_tp2p5d_and_tp3d_llama_match_the_plain_model(rank: int, world_size: int) -> None:
     """2.5D (depth 2, q 2: batch split 4 ways over depth x column) and 3D (q 2: attention in the
-    cube's swapped orientation, so the mask is split by that orientation's rows)."""
+    cube's swapped orientation, so the mask is split by that orientation's rows) for Llama;
+    GPT-2 in 3D."""
     torch.set_num_threads(1)
     _check_layers("2.5d", batch_size=4, depth=2)
     _check_layers("3d", batch_size=4)
+    # GPT-2's fused c_attn under the cube's nested levels (out split by input, then weight)
+    report = reference_check(_gpt2, causal_lm_batch(250, batch_size=4),
+                             {"tensor_parallel_mode": "3d"}, steps=2, rtol=RTOL)  # fmt: skip
+    assert len(report.sharded) == 24, report.sharded
     assert dist.get_world_size() == 8
 
 

@@ -58,7 +58,11 @@ def _gather_hook(
     for kind in ("_parameters", "_buffers"):
         for name, tensor in getattr(module, kind).items():
             key = prefix + name
-            if tensor is not None and key in state and shard_spec(tensor) is not None:
+            if tensor is None or key not in state or shard_spec(tensor) is None:
+                continue
+            # ``state_dict(keep_vars=True)`` asks for the module's own tensors (checkpoint IO
+            # loads into them and reads their marks): those stay this rank's parts.
+            if state[key] is not tensor:
                 state[key] = full_tensor(tensor)
 
 
@@ -84,7 +88,9 @@ def enable_full_state_dict(module: nn.Module) -> nn.Module:
     """Make ``module.state_dict()`` whole and ``load_state_dict`` split (every submodule).
 
     A state dict that already holds this rank's parts (the shapes of the local tensors) is
-    loaded as is. Returns ``module``.
+    loaded as is; ``state_dict(keep_vars=True)`` still gives the parameters themselves (marked
+    parts), which checkpoint IO saves and loads through the sharded-state protocol. Returns
+    ``module``.
     """
     for sub in module.modules():
         if getattr(sub, "_colossal_full_state", False):

@@ -93,6 +93,8 @@ class PipelineGPTHybrid(nn.Module):
     def forward(self, hidden_states=None, input_ids=None, attention_mask=None):
         if self.embedding is not None:
             hidden_states = self.embedding(input_ids=input_ids)
+        if attention_mask is not None:
+            # every stage receives the batch's raw mask (model(stage_output, **data))
             batch_size = hidden_states.shape[0]
             attention_mask = attention_mask.view(batch_size, -1)
             attention_mask = attention_mask[:, None, None, :]

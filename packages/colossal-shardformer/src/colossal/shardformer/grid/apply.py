@@ -136,9 +136,9 @@ def _shard_block(
         summary.replaced[f"{path}.{suffix}"] = type(new).__name__
     tp_group = mode.dims.group("tp")
     for suffix in plan.replicated_grad:
-        native = get_submodule(block, suffix)
-        if native is not None:
-            ReplicatedGradAllReduce.from_native_module(native, tp_group)
+        found = get_submodule(block, suffix)
+        if found is not None:
+            ReplicatedGradAllReduce.from_native_module(found, tp_group)
             summary.replaced[f"{path}.{suffix}"] = "ReplicatedGradAllReduce"
     for attr, value in plan.heads.items():
         set_attribute(block, attr, value // mode.q)

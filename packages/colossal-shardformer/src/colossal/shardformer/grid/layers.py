@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ class GridRootMeanSquareNorm(nn.Module):
                 "GridRootMeanSquareNorm shards Llama-style RMSNorms (weight and "
                 f"variance_epsilon), got {type(native).__name__}"
             )
-        whole = native.weight
+        whole = cast(torch.Tensor, native.weight)
         width = int(whole.shape[0])
         q = mode.q
         if width % q:
@@ -114,7 +114,7 @@ class GridRootMeanSquareNorm(nn.Module):
         )
         self.weight = mark_sharded(param, placements, (width,))  # type: ignore[assignment]
         self.width = width
-        self.variance_epsilon = float(native.variance_epsilon)
+        self.variance_epsilon = float(cast(float, native.variance_epsilon))
         self.hidden_group = dims.group(mode.hidden_axis)
         self.batch_group = dims.group(mode.batch_axes)
 
@@ -218,7 +218,7 @@ class GridConv1D(nn.Module):
 
     def __init__(self, native: nn.Module, mode: GridMode, role: str, n_fused: int = 1) -> None:
         super().__init__()
-        whole = native.weight.detach()
+        whole = cast(torch.Tensor, native.weight).detach()
         in_features, out_features = (int(s) for s in whole.shape)
         if out_features % (n_fused * mode.q):
             raise ValueError(
@@ -235,15 +235,17 @@ class GridConv1D(nn.Module):
         layer = mode.linear(linear, role)
         self._fn = mode.linear_fn(layer)
         self.in_features, self.out_features, self.n_fused = in_features, out_features, n_fused
-        placements, shape = _original_placements(layer.weight, 0, n_fused, transpose=True)
-        weight = nn.Parameter(layer.weight.detach().t().contiguous())
+        layer_weight = cast(torch.Tensor, layer.weight)
+        layer_bias = cast("torch.Tensor | None", layer.bias)
+        placements, shape = _original_placements(layer_weight, 0, n_fused, transpose=True)
+        weight = nn.Parameter(layer_weight.detach().t().contiguous())
         self.weight = mark_sharded(weight, placements, shape)  # type: ignore[assignment]
-        if layer.bias is None:
+        if layer_bias is None:
             self.register_parameter("bias", None)
         else:
-            placements, shape = _original_placements(layer.bias, 0, n_fused, transpose=False)
+            placements, shape = _original_placements(layer_bias, 0, n_fused, transpose=False)
             self.bias = mark_sharded(  # type: ignore[assignment]
-                nn.Parameter(layer.bias.detach().clone()), placements, shape
+                nn.Parameter(layer_bias.detach().clone()), placements, shape
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

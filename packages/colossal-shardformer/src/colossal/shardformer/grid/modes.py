@@ -135,8 +135,9 @@ class Grid2DMode(GridMode):
 
     def linear_fn(self, layer: nn.Module) -> LinearFn:
         """See :meth:`GridMode.linear_fn`."""
-        from colossal.shardformer.layer.tp2d import linear_2d
+        from colossal.shardformer.layer.tp2d import Linear2D, linear_2d
 
+        assert isinstance(layer, Linear2D), type(layer)
         grid = layer.grid
         return lambda x, w, b: linear_2d(x, w, b, grid)
 
@@ -192,8 +193,9 @@ class Grid2p5DMode(GridMode):
 
     def linear_fn(self, layer: nn.Module) -> LinearFn:
         """See :meth:`GridMode.linear_fn`."""
-        from colossal.shardformer.layer.tp2p5d import linear_2p5d
+        from colossal.shardformer.layer.tp2p5d import Linear2p5D, linear_2p5d
 
+        assert isinstance(layer, Linear2p5D), type(layer)
         grid = layer.grid
         return lambda x, w, b: linear_2p5d(x, w, b, grid)
 
@@ -250,8 +252,10 @@ class Grid3DMode(GridMode):
 
     def linear_fn(self, layer: nn.Module) -> LinearFn:
         """See :meth:`GridMode.linear_fn`."""
+        from colossal.shardformer.layer.tp3d import Linear3D
         from colossal.shardformer.layer.tp3d.functional import linear_3d
 
+        assert isinstance(layer, Linear3D), type(layer)
         cube = layer.cube
         return lambda x, w, b: linear_3d(x, w, b, cube)
 

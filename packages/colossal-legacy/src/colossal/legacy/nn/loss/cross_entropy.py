@@ -10,7 +10,7 @@ from torch import nn
 from colossal.legacy.core import gpc
 from colossal.shardformer.layer import CrossEntropyLoss2D, CrossEntropyLoss2p5D, CrossEntropyLoss3D
 
-__all__ = ["CrossEntropyLoss", "grid_loss_kwargs", "torch_reduction"]
+__all__ = ["CrossEntropyLoss", "torch_reduction"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -31,7 +31,7 @@ def torch_reduction(reduction: bool | str) -> str:
     return reduction
 
 
-def grid_loss_kwargs(
+def _grid_loss_kwargs(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], allowed: tuple[str, ...]
 ) -> dict[str, Any]:
     """The 2D/2.5D/3D loss's keyword arguments, plus ``dims`` (and ``swapped`` in 3D).
@@ -92,7 +92,7 @@ class CrossEntropyLoss(nn.Module):
                 "'1d', '2d', '2.5d', '3d' and 'sequence'"
             )
         allowed = ("reduction", "ignore_index", "label_smoothing")
-        self.loss = grid[mode](**grid_loss_kwargs("CrossEntropyLoss", args, kwargs, allowed))
+        self.loss = grid[mode](**_grid_loss_kwargs("CrossEntropyLoss", args, kwargs, allowed))
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of ``logits`` against ``targets``."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from colossal.legacy.context import ParallelMode
 from colossal.legacy.core import gpc
-from colossal.legacy.nn.loss.cross_entropy import grid_loss_kwargs, torch_reduction
+from colossal.legacy.nn.loss.cross_entropy import _grid_loss_kwargs, torch_reduction
 from colossal.shardformer.layer import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelCrossEntropyLoss2p5D,
@@ -50,7 +50,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             self.loss = nn.CrossEntropyLoss(*args, **kwargs)
             return
         if mode == "1d":
-            grid_loss_kwargs(
+            _grid_loss_kwargs(
                 "VocabParallelCrossEntropyLoss", args, kwargs, ("reduction", "ignore_index")
             )
             self.ignore_index = int(kwargs.get("ignore_index", -100))
@@ -66,7 +66,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             )
         allowed = ("reduction", "ignore_index")
         self.loss = grid[mode](
-            **grid_loss_kwargs("VocabParallelCrossEntropyLoss", args, kwargs, allowed)
+            **_grid_loss_kwargs("VocabParallelCrossEntropyLoss", args, kwargs, allowed)
         )
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

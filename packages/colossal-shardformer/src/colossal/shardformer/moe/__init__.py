@@ -1,0 +1,43 @@
+"""Mixture of Experts primitives: routers, losses, expert-parallel dispatch/combine, layers.
+
+Layering: :mod:`.primitives` (autograd all-to-alls through :mod:`colossal.core.comm`) ->
+:mod:`.dispatch` (functional dispatch/combine) -> :mod:`.modules` (``MoeLayer``, ``Experts``).
+"""
+
+from colossal.shardformer.moe.dispatch import DispatchState, combine, dispatch, moe_apply
+from colossal.shardformer.moe.grouped import grouped_matmul
+from colossal.shardformer.moe.losses import load_balancing_loss, router_z_loss, update_balance_bias
+from colossal.shardformer.moe.modules import Experts, GroupedExperts, MoeLayer, local_expert_range
+from colossal.shardformer.moe.noise import NormalNoiseGenerator, UniformNoiseGenerator
+from colossal.shardformer.moe.primitives import all_to_all_uneven, exchange_counts
+from colossal.shardformer.moe.routing import (
+    RoutingResult,
+    Top1Router,
+    Top2Router,
+    TopKRouter,
+    expert_capacity,
+)
+
+__all__ = [
+    "DispatchState",
+    "Experts",
+    "GroupedExperts",
+    "MoeLayer",
+    "NormalNoiseGenerator",
+    "RoutingResult",
+    "Top1Router",
+    "Top2Router",
+    "TopKRouter",
+    "UniformNoiseGenerator",
+    "all_to_all_uneven",
+    "combine",
+    "dispatch",
+    "exchange_counts",
+    "expert_capacity",
+    "grouped_matmul",
+    "load_balancing_loss",
+    "local_expert_range",
+    "moe_apply",
+    "router_z_loss",
+    "update_balance_bias",
+]

@@ -133,3 +133,16 @@ def test_experts_without_tokens_get_zero_grads(rank: int, world_size: int) -> No
         else:
             assert experts.w1.grad is not None
             assert bool((experts.w1.grad[0] != 0).any()) and bool((experts.w1.grad[1] == 0).all())
+
+
+@distributed_test(2)
+def test_aux_loss_free_bias_uses_the_global_load(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    # rank 0's tokens all pick expert 0, rank 1's expert 1 then 2: global load [3, 2, 1, 0]
+    picks = {0: [0, 0, 0], 1: [1, 1, 2]}
+    logits = nn.functional.one_hot(torch.tensor(picks[rank]), 4).float() * 5.0
+    router = TopKRouter(1, capacity_factor_train=None, num_experts=4, bias_update_rate=0.25)
+    router(logits)
+    router.update_bias(dist.group.WORLD)  # mean load 1.5: sign [-1, -1, +1, +1]
+    assert router.expert_bias is not None
+    assert torch.equal(router.expert_bias, torch.tensor([-0.25, -0.25, 0.25, 0.25]))

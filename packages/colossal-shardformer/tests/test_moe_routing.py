@@ -119,3 +119,15 @@ def test_noise_generators() -> None:
     router.eval()  # no noise in evaluation
     logits = torch.randn(6, 3)
     assert torch.allclose(router(logits).weights[:, 0], torch.softmax(logits, -1).max(-1).values)
+
+
+def test_random_select_policy_keeps_capacity_many() -> None:
+    torch.manual_seed(0)
+    logits = torch.tensor([[3.0, 0.0]] * 10 + [[0.0, 3.0]])
+    router = Top1Router(capacity_factor_train=0.5, min_capacity=1, select_policy="random")
+    assert router.capacity(11, 2) == 2
+    kept = [router(logits).keep[:, 0] for _ in range(8)]
+    assert all(int(k[:10].sum()) == 2 and bool(k[10]) for k in kept)
+    assert any(not torch.equal(k, kept[0]) for k in kept)  # not always the first two
+    with pytest.raises(ValueError, match="select_policy"):
+        Top1Router(select_policy="last")

@@ -82,6 +82,8 @@ class TopKRouter(nn.Module):
             added to the probabilities for the top-k choice only, moved by
             :meth:`update_bias`.
         normalize_weights: Rescale the kept top-k probabilities of a token to sum to 1.
+        select_policy: Which tokens an expert over capacity keeps: ``"first"`` (token order)
+            or ``"random"`` (a random order of the tokens).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class TopKRouter(nn.Module):
         num_experts: int | None = None,
         bias_update_rate: float | None = None,
         normalize_weights: bool = False,
+        select_policy: str = "first",
     ) -> None:
         super().__init__()
         if k < 1:
@@ -106,6 +109,9 @@ class TopKRouter(nn.Module):
         self.noisy_func = noisy_func
         self.drop_tks = drop_tks
         self.normalize_weights = normalize_weights
+        if select_policy not in ("first", "random"):
+            raise ValueError(f"select_policy must be 'first' or 'random', got {select_policy!r}")
+        self.select_policy = select_policy
         self.bias_update_rate = bias_update_rate
         self.expert_bias: torch.Tensor | None
         if bias_update_rate is not None:
@@ -148,13 +154,21 @@ class TopKRouter(nn.Module):
         if capacity is None:
             keep = torch.ones_like(expert_idx, dtype=torch.bool)
         else:
-            keep = _capacity_keep(expert_idx, num_experts, capacity)
+            keep = self._keep(expert_idx, num_experts, capacity)
         weights = probs.gather(1, expert_idx) * keep
         if self.normalize_weights:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         result = RoutingResult(expert_idx, weights, keep, probs, num_experts)
         self.last_load = torch.bincount(expert_idx.reshape(-1), minlength=num_experts)
         return result
+
+    def _keep(self, expert_idx: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+        if self.select_policy == "first":
+            return _capacity_keep(expert_idx, num_experts, capacity)
+        order = torch.randperm(expert_idx.shape[0], device=expert_idx.device)
+        keep = torch.empty_like(expert_idx, dtype=torch.bool)
+        keep[order] = _capacity_keep(expert_idx[order], num_experts, capacity)
+        return keep
 
     def update_bias(self, group: dist.ProcessGroup | None = None) -> None:
         """Apply ``bias += rate * sign(mean(load) - load)`` with the last step's load.
@@ -180,18 +194,29 @@ class TopKRouter(nn.Module):
 
 
 class Top1Router(TopKRouter):
-    """Switch-style top-1 router with ColossalAI's arguments (see :class:`TopKRouter`)."""
+    """Switch-style top-1 router with ColossalAI's arguments (see :class:`TopKRouter`).
+
+    ``select_policy``: ``"first"`` keeps the first tokens up to the capacity, ``"random"`` a
+    random subset of them.
+    """
 
     def __init__(
         self,
         capacity_factor_train: float | None = 1.25,
         capacity_factor_eval: float | None = 2.0,
         min_capacity: int = 4,
+        select_policy: str = "first",
         noisy_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
         drop_tks: bool = True,
     ) -> None:
         super().__init__(
-            1, capacity_factor_train, capacity_factor_eval, min_capacity, noisy_func, drop_tks
+            1,
+            capacity_factor_train,
+            capacity_factor_eval,
+            min_capacity,
+            noisy_func,
+            drop_tks,
+            select_policy=select_policy,
         )
 
 

@@ -71,7 +71,7 @@ def _check(rank: int, world_size: int, num_experts: int, capacity: bool) -> None
         assert spec is not None and spec.axis("ep") is not None
         assert tuple(spec.shape) == tuple(q.shape)
     gate = ep.gate_weight.grad
-    assert gate is not None
+    assert gate is not None and ref.gate_weight.grad is not None
     dist.all_reduce(gate)
     assert_rel_close(gate, ref.gate_weight.grad, RTOL, "gate grad")
     # exact communication: counts (E int64) + tokens out and back; backward: both reversed

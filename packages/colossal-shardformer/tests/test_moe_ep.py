@@ -146,3 +146,29 @@ def test_aux_loss_free_bias_uses_the_global_load(rank: int, world_size: int) -> 
     router.update_bias(dist.group.WORLD)  # mean load 1.5: sign [-1, -1, +1, +1]
     assert router.expert_bias is not None
     assert torch.equal(router.expert_bias, torch.tensor([-0.25, -0.25, 0.25, 0.25]))
+
+
+@distributed_test(2)
+def test_module_experts_match_single_process(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    world = dist.group.WORLD
+    assert world is not None
+    torch.manual_seed(0)
+    ref = MoeLayer(H, 4, _router(False), Experts(_FFN, 4, d=H))
+    ep = MoeLayer(H, 4, _router(False), Experts(_FFN, 4, world, d=H))
+    ep.gate_weight.data.copy_(ref.gate_weight.data)
+    assert isinstance(ref.experts, Experts) and isinstance(ep.experts, Experts)
+    first = ep.experts.first_expert
+    assert first == 2 * rank and ep.experts.num_local_experts == 2
+    for j, expert in enumerate(ep.experts.experts):
+        expert.load_state_dict(ref.experts.experts[first + j].state_dict())
+    torch.manual_seed(1)
+    x_all = torch.randn(world_size, T, H)
+    sum(ref(x_all[c]).square().sum() for c in range(world_size)).backward()
+    ep(x_all[rank]).square().sum().backward()
+    for j, expert in enumerate(ep.experts.experts):
+        natives = dict(ref.experts.experts[first + j].named_parameters())
+        for name, p in expert.named_parameters():
+            want = natives[name].grad
+            assert p.grad is not None and want is not None
+            assert_rel_close(p.grad, want, RTOL, f"expert {first + j}.{name}")

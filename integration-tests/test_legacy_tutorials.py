@@ -126,6 +126,14 @@ TUTORIALS = {
         pattern=ENGINE_LOSS,
         ratio=0.8,  # reached 0.44
     ),
+    # the page's hybrid config vit_1d_tp2_pp2: pipeline 2 x 1D tensor parallel 2
+    "vit_pipeline_x_1d": Tutorial(
+        script="vit_step_by_step/train_hybrid.py",
+        nproc=4,
+        args=("--config", str(_VIT_CONFIGS / "vit_1d_tp2_pp2.py"), "--no-progress"),
+        pattern=ENGINE_LOSS,
+        ratio=0.8,  # reached 0.39
+    ),
     "vit_tensor_3d": Tutorial(
         script="vit_step_by_step/train_hybrid.py",
         nproc=8,
@@ -164,6 +172,15 @@ TUTORIALS = {
         pattern=TRAINER_TRAIN_LOSS,
         ratio=0.85,  # reached 0.72
         env=(("NUM_CHUNKS", "2"),),
+    ),
+    # the same page's "pipeline + 1D model parallel" config (pipeline 2 x tensor 1d 2)
+    "gpt_pipeline_x_1d": Tutorial(
+        script="gpt_hybrid/train_gpt.py",
+        nproc=4,
+        args=("--no-progress",),
+        pattern=TRAINER_TRAIN_LOSS,
+        ratio=0.85,  # reached 0.56
+        env=(("TENSOR_PARALLEL", "1d"),),
     ),
     # "Auto Mixed Precision Training": torch and naive AMP
     "amp_torch": Tutorial(

@@ -1,18 +1,21 @@
 """GPT split over pipeline stages by hand, with tied embeddings, trained with the Trainer.
 
-"Train GPT Using Hybrid Parallelism", pipeline part. Run: ``python3 -m colossal.cli run
---nproc_per_node 2 examples/legacy/gpt_hybrid/train_gpt.py`` (``NUM_CHUNKS=2`` in the
-environment for the interleaved schedule, two model chunks per stage).
+"Train GPT Using Hybrid Parallelism". Run: ``python3 -m colossal.cli run --nproc_per_node 2
+examples/legacy/gpt_hybrid/train_gpt.py`` (the page's "only pipeline parallel" config;
+``NUM_CHUNKS=2`` in the environment for the interleaved schedule, two model chunks per
+stage), or with ``TENSOR_PARALLEL=1d`` on 4 processes for the page's "pipeline + 1D model
+parallel" config (pipeline 2 x 1D tensor parallel 2: the model zoo's GPT is built of
+``colossalai.nn`` layers, which take the config's mode).
 
 The page's code with these changes: the web-text dataset (a download and GPT-2's tokenizer)
 -> synthetic token sequences with the same ``({'input_ids', 'attention_mask'}, input_ids)``
 items (:class:`SyntheticTextDataset`); GPT-2 XL (48 layers, 1600 wide) -> 4 layers, 64 wide,
 a 64-token vocabulary (``GPT2_tiny_pipeline_hybrid``); sizes and ``NUM_EPOCHS`` for a CPU
-(the environment's ``NUM_EPOCHS`` and ``NUM_CHUNKS`` override them); the default device the
-accelerator's instead of ``'cuda'``; ``--backend`` defaults to gloo; ``--no-progress`` for
-tests. The config is the page's "only pipeline parallel" one: the "pipeline + 1D" one needs
-ColossalAI's 1D tensor-parallel layers (``colossalai.nn``), which are not built yet; and the
-page's ``initial_scale`` (2**32 by default) is lowered for runs of a few dozen steps.
+(the environment's ``NUM_EPOCHS``, ``NUM_CHUNKS`` and ``TENSOR_PARALLEL`` override them);
+the default device the accelerator's instead of ``'cuda'``; ``--backend`` defaults to gloo;
+``--no-progress`` for tests; ``NUM_MICRO_BATCHES`` 4 instead of 192 (the page's batch of 192
+sequences does not fit a CPU run); and the page's ``initial_scale`` (2**32 by default) is
+lowered for runs of a few dozen steps.
 """
 
 import logging
@@ -23,6 +26,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import colossalai  # noqa: E402
+import colossalai.nn as col_nn  # noqa: E402
 import colossalai.utils as utils  # noqa: E402
 import model_zoo.gpt.gpt as col_gpt  # noqa: E402
 import torch  # noqa: E402
@@ -84,8 +88,7 @@ class PipelineGPTHybrid(nn.Module):
             ]
         )
         if last:
-            # col_nn.LayerNorm on the page (a LayerNorm without tensor parallelism)
-            self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_epsilon, dtype=dtype)
+            self.norm = col_nn.LayerNorm(hidden_size, eps=layer_norm_epsilon, dtype=dtype)
             self.head = col_gpt.GPTLMHead(
                 vocab_size=vocab_size, dim=hidden_size, dtype=dtype, bias=False
             )
@@ -176,19 +179,25 @@ NUM_EPOCHS = int(os.environ.get("NUM_EPOCHS", "6"))
 SEQ_LEN = 16
 BATCH_SIZE = 16
 NUM_CHUNKS = int(os.environ["NUM_CHUNKS"]) if os.environ.get("NUM_CHUNKS") else None
+TENSOR_PARALLEL = os.environ.get("TENSOR_PARALLEL") or None  # '1d': the hybrid config
 TENSOR_SHAPE = (BATCH_SIZE // 4, SEQ_LEN, 64)  # (1, 1024, 1600) on the page; unused there too
 
-# only pipeline parallel
-CONFIG = dict(
-    NUM_MICRO_BATCHES=4,
-    parallel=dict(pipeline=2),
-    fp16=dict(mode=AMP_TYPE.NAIVE, initial_scale=2**16),
-)
+if TENSOR_PARALLEL is None:
+    # only pipeline parallel
+    CONFIG = dict(
+        NUM_MICRO_BATCHES=4,
+        parallel=dict(pipeline=2),
+        fp16=dict(mode=AMP_TYPE.NAIVE, initial_scale=2**16),
+    )
+else:
+    # pipeline + 1D model parallel
+    CONFIG = dict(
+        NUM_MICRO_BATCHES=4,
+        parallel=dict(pipeline=2, tensor=dict(mode=TENSOR_PARALLEL, size=2)),
+        fp16=dict(mode=AMP_TYPE.NAIVE, initial_scale=2**16),
+    )
 if NUM_CHUNKS is not None:  # initialize picks the interleaved schedule from model.num_chunks
     CONFIG["model"] = dict(num_chunks=NUM_CHUNKS)
-# pipeline + 1D model parallel: not ported (ColossalAI's 1D layers are not built yet)
-# CONFIG = dict(NUM_MICRO_BATCHES=192, parallel=dict(pipeline=2, tensor=dict(mode="1d", size=2)),
-#               fp16=dict(mode=AMP_TYPE.NAIVE))
 
 
 def train():

@@ -21,6 +21,7 @@ from colossal.shardformer.layer import local_part
 
 __all__ = [
     "PLAIN",
+    "EmbeddingTiedModel",
     "SeedMLP",
     "TinyViT",
     "TokenModel",
@@ -110,6 +111,22 @@ class TokenModel(nn.Module):
         self.head = c.VocabParallelClassifier(  # type: ignore[attr-defined]
             dim, vocab, weight=self.embed.weight
         )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.fc2(torch.tanh(self.fc1(x))))
+
+
+class EmbeddingTiedModel(nn.Module):
+    """Embedding, two linears, a classifier tied to the embedding (ColossalAI's GPT head)."""
+
+    def __init__(self, layers: object = col_nn, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        c = layers
+        self.embed = c.Embedding(vocab, dim)  # type: ignore[attr-defined]
+        self.fc1 = c.Linear(dim, 2 * dim)  # type: ignore[attr-defined]
+        self.fc2 = c.Linear(2 * dim, dim)  # type: ignore[attr-defined]
+        self.head = c.Classifier(dim, vocab, weight=self.embed.weight)  # type: ignore[attr-defined]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _nn_layer_cases import PLAIN, SeedMLP, TinyViT, TokenModel, check_against_plain, seed_partition
+from _nn_layer_cases import (
+    PLAIN,
+    EmbeddingTiedModel,
+    SeedMLP,
+    TinyViT,
+    TokenModel,
+    check_against_plain,
+    seed_partition,
+)
 from torch import nn
 
 import colossal.legacy.nn as col_nn
@@ -20,6 +28,7 @@ from colossal.legacy import init_context
 from colossal.legacy.core import gpc
 from colossal.shardformer.layer import (
     Dropout2D,
+    Embedding1D,
     Linear1D_Col,
     Linear1D_Row,
     Linear2D,
@@ -103,6 +112,20 @@ def _token_model() -> None:
     assert model.head.weight is model.embed.weight
 
 
+def _embedding_tied_1d() -> None:
+    """1D Embedding (width split) and a Classifier tied to it, against torch's."""
+    torch.manual_seed(4)
+    ids = torch.randint(0, 16, (8, 3))
+    labels = torch.randint(0, 16, (8, 3))
+
+    def run(model: nn.Module, parallel: bool) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+
+    model = check_against_plain(EmbeddingTiedModel, run)
+    assert type(model.embed) is Embedding1D and type(model.head) is Linear1D_Row
+    assert model.head.weight is model.embed.weight and model.embed.weight.shape == (16, 4)
+
+
 def _mode_checks(tensor: dict) -> None:
     _launch(tensor)
     mode = tensor["mode"]
@@ -125,6 +148,7 @@ def test_none_and_1d_layers(rank: int, world_size: int) -> None:
     mlp = SeedMLP()  # column then row, as the page prints
     assert type(mlp.dense_1) is Linear1D_Col and type(mlp.dense_2) is Linear1D_Row
     assert not gpc.layer_env.parallel_input
+    _embedding_tied_1d()
     gpc.destroy()
     _mode_checks(dict(size=2, mode="1d"))
 

@@ -47,6 +47,7 @@ from colossal.legacy.engine import (
 from colossal.legacy.engine.features import EngineFeatures, parse_features
 from colossal.legacy.engine.gradient_accumulation import accumulate_gradient
 from colossal.legacy.engine.gradient_handler import BaseGradientHandler
+from colossal.legacy.engine.replicas import mark_replicated_axes
 from colossal.legacy.pipeline.shared import mark_stage_parameters, shared_parameters
 from colossal.legacy.registry import GRADIENT_HANDLER
 from colossal.legacy.utils.checkpointing import SchedulerLike
@@ -183,6 +184,10 @@ def initialize(
     mode = _data_mode()
     data_parallel = gpc.get_world_size(mode) > 1
     tensor_parallel = gpc.tensor_parallel_size > 1 and gpc.tensor_parallel_mode != "sequence"
+    replicated = [("tp", gpc.get_group(ParallelMode.TENSOR))] if tensor_parallel else []
+    if data_parallel and features.zero is None:  # ZeRO describes its own data-parallel split
+        replicated.append(("dp", gpc.get_group(mode)))
+    mark_replicated_axes(model, replicated)  # each replica counts once in the gradient norm
 
     if features.zero is not None:
         _sync_params(model, mode)

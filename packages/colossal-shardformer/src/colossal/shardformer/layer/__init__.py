@@ -21,6 +21,7 @@ from colossal.shardformer.layer.embedding import (
     VocabParallelLMHead1D,
     padded_vocab_size,
 )
+from colossal.shardformer.layer.embedding1d import Embedding1D
 from colossal.shardformer.layer.full_state import (
     enable_full_state_dict,
     full_tensor,
@@ -109,6 +110,7 @@ __all__ = [
     "Dropout3D",
     "DropoutForParallelInput",
     "DropoutForReplicatedInput",
+    "Embedding1D",
     "Embedding2D",
     "Embedding2p5D",
     "Embedding3D",

@@ -16,18 +16,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from colossal.core import shard_spec
+from colossal.core import Owned, shard_spec
 from colossal.core.sharded import gather_placed
 
 __all__ = ["enable_full_state_dict", "full_tensor", "local_part"]
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a marked part (collective), or ``tensor`` itself if unmarked."""
+    """The whole tensor of a marked part (collective), or ``tensor`` itself if unmarked.
+
+    Collective over the axes the tensor is split along; an axis whose one rank owns it (a
+    pipeline stage's parameters) is left out: a module's state holds what this rank owns,
+    and the other stages, holding other parameters, do not join.
+    """
     spec = shard_spec(tensor)
     if spec is None:
         return tensor
-    whole = gather_placed(tensor.detach(), spec.placements, spec.shape, tensor.dtype, None)
+    placements = [p for p in spec.placements if not isinstance(p.part, Owned)]
+    whole = gather_placed(tensor.detach(), placements, spec.shape, tensor.dtype, None)
     assert whole is not None
     return whole
 

@@ -4,14 +4,15 @@
 mode            ``Embedding``          ``VocabParallelEmbedding``    ``PatchEmbedding``
 ==============  =====================  ============================  =========================
 None, sequence  ``nn.Embedding``       ``nn.Embedding``              ``VanillaPatchEmbedding``
-``'1d'``        ``nn.Embedding``       ``VocabParallelEmbedding1D``  ``VanillaPatchEmbedding``
+``'1d'``        ``Embedding1D``        ``VocabParallelEmbedding1D``  ``VanillaPatchEmbedding``
 ``'2d'``        ``Embedding2D``        ``VocabParallelEmbedding2D``  ``PatchEmbedding2D``
 ``'2.5d'``      ``Embedding2p5D``      ``VocabParallelEmbedding2p5D``  ``PatchEmbedding2p5D``
 ``'3d'``        ``Embedding3D``        ``VocabParallelEmbedding3D``  ``PatchEmbedding3D``
 ==============  =====================  ============================  =========================
 
-In ``'1d'`` an ``Embedding`` is replicated (its output is whole on every rank, as
-ColossalAI's ``Embedding1D`` gathered it; the weight is not split). The 2D/2.5D/3D
+In ``'1d'`` an ``Embedding`` splits its width over the ranks and gathers its output whole,
+as ColossalAI's ``Embedding1D`` did; a ``Classifier`` tied to it is row-parallel over the
+same parameter. The 2D/2.5D/3D
 embeddings read the whole batch (ids or images, the same on every rank) and return this
 rank's block of the embedded activation.
 """
@@ -34,6 +35,7 @@ from colossal.legacy.nn.layer._dispatch import (
 )
 from colossal.legacy.nn.layer._native import Initializer
 from colossal.shardformer.layer import (
+    Embedding1D,
     Embedding2D,
     Embedding2p5D,
     Embedding3D,
@@ -133,7 +135,7 @@ class Embedding(metaclass=ModeDispatch):
         **kwargs: Further ``nn.Embedding`` arguments (without tensor parallelism).
     """
 
-    _kinds = (nn.Embedding, VocabParallelEmbedding1D, Embedding2D, Embedding2p5D, Embedding3D)
+    _kinds = (nn.Embedding, Embedding1D, Embedding2D, Embedding2p5D, Embedding3D)
 
     def __new__(  # type: ignore[misc]
         cls,
@@ -155,7 +157,7 @@ class Embedding(metaclass=ModeDispatch):
         native = agreed(lambda: _native_embedding(*args, kwargs), grid_dims().group("tp"))
         dims = grid_dims()
         if mode == "1d":
-            return native
+            return whole_state(Embedding1D.from_native_module(native, tp_group_1d()))
         if mode == "2d":
             return whole_state(Embedding2D.from_native_module(native, dims))
         if mode == "2.5d":

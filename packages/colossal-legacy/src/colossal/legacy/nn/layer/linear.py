@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colossal.core import shard_spec
 from colossal.legacy.nn.layer._dispatch import (
     ModeDispatch,
     agreed,
@@ -68,6 +69,16 @@ def _tied(linear: nn.Linear, weight: nn.Parameter | None, name: str) -> nn.Linea
             )
         linear.weight = weight
     return linear
+
+
+def _split_columns(weight: torch.Tensor, in_features: int) -> bool:
+    """Whether ``weight`` is a 1D Embedding's: its width split over the 1D group."""
+    spec = shard_spec(weight)
+    return (
+        spec is not None
+        and tuple(spec.shape)[1:] == (in_features,)
+        and (int(weight.shape[1]) != in_features)
+    )
 
 
 def _agreed_native(
@@ -177,8 +188,8 @@ class Classifier(metaclass=ModeDispatch):
         vocab_parallel_limit: The most classes of a non-vocab-parallel head.
 
     Raises:
-        NotImplementedError: A shared weight with a split input in ``'1d'``, or an unknown
-            tensor mode.
+        NotImplementedError: A shared whole weight with a split input in ``'1d'``, or an
+            unknown tensor mode.
     """
 
     _kinds = (nn.Linear, Linear1D_Row, Classifier2D, Classifier2p5D, Classifier3D)
@@ -206,6 +217,15 @@ class Classifier(metaclass=ModeDispatch):
         env = layer_env()
         dims = grid_dims()
         if mode == "1d":
+            if weight is not None and _split_columns(weight, in_features):
+                # tied to a 1D Embedding (its width split): row-parallel over that parameter
+                bias_param = native.bias if bias else None
+                row = Linear1D_Row(
+                    in_features, num_classes, weight, bias_param, tp_group_1d(),
+                    parallel_input=env.parallel_input,
+                )  # fmt: skip
+                env.parallel_input = False
+                return whole_state(row)
             if weight is not None:
                 if env.parallel_input:
                     raise NotImplementedError(

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["check_divisible", "group_rank", "group_size", "src_rank"]
+__all__ = [
+    "check_divisible",
+    "check_embedding_flags",
+    "group_rank",
+    "group_size",
+    "src_rank",
+]
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -43,3 +49,18 @@ def check_divisible(what: str, size: int, tp: int, module: str, fix: str) -> Non
         raise ValueError(
             f"{module}: {what}={size} is not divisible by the tensor-parallel size {tp}; {fix}"
         )
+
+
+def check_embedding_flags(module: object, owner: str) -> None:
+    """Raise ValueError if the native embedding ``module`` uses a flag a split one cannot honour.
+
+    Args:
+        module: The native ``nn.Embedding``.
+        owner: The layer being built, for the message.
+    """
+    for flag in ("max_norm", "scale_grad_by_freq", "sparse"):
+        if getattr(module, flag, None):
+            raise ValueError(
+                f"{owner}: the native embedding sets {flag}={getattr(module, flag)!r}, which a "
+                "sharded embedding does not support; leave it unset"
+            )

@@ -24,7 +24,7 @@ from colossal.shardformer.layer._primitives import (
     is_in_tp_region,
     reduce_from_tp_region,
 )
-from colossal.shardformer.layer._utils import group_rank, group_size
+from colossal.shardformer.layer._utils import check_embedding_flags, group_rank, group_size
 from colossal.shardformer.layer.loss import mark_vocab_parallel
 
 logger = logging.getLogger(__name__)
@@ -154,12 +154,7 @@ class VocabParallelEmbedding1D(nn.Module):
         """
         if kwargs:
             logger.debug("%s ignores %s", cls.__name__, sorted(kwargs))
-        for flag in ("max_norm", "scale_grad_by_freq", "sparse"):
-            if getattr(module, flag, None):
-                raise ValueError(
-                    f"{cls.__name__}: the native embedding sets {flag}={getattr(module, flag)!r}, "
-                    "which a vocab-sharded embedding does not support; leave it unset"
-                )
+        check_embedding_flags(module, cls.__name__)
         weight, padded = _vocab_weight(
             module.weight, process_group, make_vocab_size_divisible_by, cls.__name__
         )
@@ -172,9 +167,11 @@ class VocabParallelEmbedding1D(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         pad = self.padding_idx
-        local_pad = pad - self.vocab_start if pad is not None and not (
-            pad < self.vocab_start or pad >= self.vocab_end
-        ) else None
+        local_pad = (
+            pad - self.vocab_start
+            if pad is not None and not (pad < self.vocab_start or pad >= self.vocab_end)
+            else None
+        )
         out = F.embedding(local_ids, self.weight, local_pad)
         if self.tp_size > 1:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)

@@ -19,7 +19,12 @@ from torch.distributed import ProcessGroup
 
 from colossal.core import Block, shard_parameter
 from colossal.shardformer.layer._primitives import gather_from_tp_region
-from colossal.shardformer.layer._utils import check_divisible, group_rank, group_size
+from colossal.shardformer.layer._utils import (
+    check_divisible,
+    check_embedding_flags,
+    group_rank,
+    group_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +73,7 @@ class Embedding1D(nn.Module):
         """
         if kwargs:
             logger.debug("%s ignores %s", cls.__name__, sorted(kwargs))
-        for flag in ("max_norm", "scale_grad_by_freq", "sparse"):
-            if getattr(module, flag, None):
-                raise ValueError(
-                    f"{cls.__name__}: the native embedding sets {flag}={getattr(module, flag)!r}, "
-                    "which a split embedding does not support; leave it unset"
-                )
+        check_embedding_flags(module, cls.__name__)
         shape = tuple(module.weight.shape)
         tp, rank = group_size(process_group), group_rank(process_group)
         check_divisible(

@@ -58,8 +58,8 @@ def test_bad_order_names_the_axes(order: object) -> None:
 
 def test_unknown_group_name_lists_the_names() -> None:
     dims = ParallelDims(dp=2, tp=2, world_size=4)
-    with pytest.raises(ValueError, match="'ep'.*'dp', 'dp_replicate', 'dp_shard'"):
-        dims.ranks("ep", rank=0)
+    with pytest.raises(ValueError, match="'cp'.*'dp', 'dp_replicate', 'dp_shard'"):
+        dims.ranks("cp", rank=0)
     with pytest.raises(ValueError, match="twice"):
         dims.ranks(("dp", "dp_shard"), rank=0)
 

@@ -5,6 +5,8 @@ building groups of its own, so a job has one layout of ranks: data parallel (``d
 split into ``dp_replicate`` x ``dp_shard`` for ZeRO/FSDP sharding over part of it), pipeline
 (``pp``), sequence (``sp``) and tensor (``tp``) parallel. ``tp`` may itself be a grid
 (``tp_mode`` ``"2d"``, ``"2.5d"`` or ``"3d"``) whose rows, columns and depth are groups too.
+Mixture-of-experts jobs split dp once more into expert parallel (``ep``) x the experts' own
+data parallel (``moe_dp = dp / ep``), as ColossalAI's MoeHybridParallelPlugin does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from colossal.core.mesh import ProcessGroupMesh
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_AXIS_ORDER", "GROUP_NAMES", "TP_GRID_AXES", "TP_MODES", "ParallelDims"]
+__all__ = [
+    "DEFAULT_AXIS_ORDER",
+    "EXPERT_AXES",
+    "GROUP_NAMES",
+    "TP_GRID_AXES",
+    "TP_MODES",
+    "ParallelDims",
+]
 
 #: The four axes of :attr:`ParallelDims.order`.
 AXES = ("dp", "pp", "sp", "tp")
@@ -50,7 +59,11 @@ GROUP_NAMES = (
     "sp",
     "tp",
     *dict.fromkeys(a for axes in TP_GRID_AXES.values() for a in axes),
+    "ep",
+    "moe_dp",
 )
+#: The groups that split dp for experts; asked alone, never combined with other axes.
+EXPERT_AXES = ("ep", "moe_dp")
 
 
 def _is_size(value: object) -> bool:
@@ -94,10 +107,16 @@ class ParallelDims:
         dp_group: An existing data-parallel group to use as the whole ``dp`` axis (what a
             plugin given ``dp_group=`` wraps). No mesh is built; ``pp``, ``tp`` and ``sp``
             must be 1, and only groups equal to it can be handed out.
+        ep: Expert-parallel size: each group of ``ep`` data-parallel ranks holds one copy of
+            all experts, ``E / ep`` each. Must divide dp; ``moe_dp = dp / ep`` ranks hold the
+            same experts (the ZeRO group of expert parameters). Groups ``"ep"``, ``"moe_dp"``.
+        moe_dp_outside: ColossalAI's default ``True``: the ``ep`` ranks of a group are
+            consecutive in dp (ep inner, moe_dp outer); ``False`` puts moe_dp inner.
 
     Raises:
         ValueError: A size is not a positive int, the sizes do not multiply to the world
-            size, ``dp_shard`` does not divide ``dp``, or ``order`` is not the four axes.
+            size, ``dp_shard`` or ``ep`` does not divide ``dp``, or ``order`` is not the
+            four axes.
 
     Example:
         >>> dims = ParallelDims(dp=2, tp=2)            # under a 4-rank job
@@ -115,6 +134,8 @@ class ParallelDims:
     tp_mode: str | None = None
     tp_depth: int = 1
     dp_group: ProcessGroup | None = field(default=None, repr=False, compare=False)
+    ep: int = 1
+    moe_dp_outside: bool = True
     _mesh: ProcessGroupMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +148,8 @@ class ParallelDims:
             bad.insert(0, f"dp={self.dp!r}")
         if self.dp_shard is not None and not _is_size(self.dp_shard):
             bad.append(f"dp_shard={self.dp_shard!r}")
+        if not _is_size(self.ep):
+            bad.append(f"ep={self.ep!r}")
         if self.world_size is not None and not _is_size(self.world_size):
             bad.append(f"world_size={self.world_size!r}")
         if bad:
@@ -175,6 +198,21 @@ class ParallelDims:
                 f"replicates across dp / dp_shard of them)"
             )
         object.__setattr__(self, "dp_shard", shard)
+        self._check_ep(dp)
+
+    def _check_ep(self, dp: int) -> None:
+        if dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp={dp} (dp = world {self.world_size} / (pp={self.pp} "
+                f"x tp={self.tp} x sp={self.sp})): each group of ep data-parallel ranks holds "
+                f"all experts; choose ep among the divisors "
+                f"{[d for d in range(1, dp + 1) if dp % d == 0]}"
+            )
+        if self.ep > 1 and self.dp_group is not None:
+            raise ValueError(
+                f"ep={self.ep} needs the whole job's layout; build ParallelDims(dp=..., ep=...) "
+                "without dp_group"
+            )
 
     def _check_tp_grid(self) -> None:
         if self.tp_mode not in TP_MODES:
@@ -299,6 +337,16 @@ class ParallelDims:
         return self.sp > 1
 
     @property
+    def moe_dp(self) -> int:
+        """Ranks holding the same experts (the experts' data-parallel size): ``dp // ep``."""
+        return self.dp // self.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        """Whether expert parallelism is used (``ep > 1``)."""
+        return self.ep > 1
+
+    @property
     def mesh_axes(self) -> tuple[str, ...]:
         """Axis names of the mesh, outermost first (dp as ``dp_replicate``, ``dp_shard``)."""
         return tuple(name for axis in self.order for name in self._expand(axis))
@@ -333,6 +381,11 @@ class ParallelDims:
                 f"unknown parallel axis name(s) {unknown or wanted!r}; use one or more of "
                 f"{GROUP_NAMES}"
             )
+        if any(n in EXPERT_AXES for n in wanted):
+            raise ValueError(
+                f"{wanted!r}: the expert groups {EXPERT_AXES} are asked alone, not combined "
+                "with other axes (they split dp)"
+            )
         expanded = [m for n in wanted for m in self._expand(n)]
         missing = [m for m in expanded if m not in self.mesh_axes]
         if missing:
@@ -349,6 +402,8 @@ class ParallelDims:
 
     def size(self, names: str | Sequence[str]) -> int:
         """Number of ranks in a group along ``names`` (one axis name or several)."""
+        if names in EXPERT_AXES:
+            return self.ep if names == "ep" else self.moe_dp
         return math.prod(self._extent(a) for a in self._axes(names))
 
     # ---- ranks ---------------------------------------------------------------------------
@@ -373,6 +428,8 @@ class ParallelDims:
         Raises:
             ValueError: ``rank`` is not one of the ranks described.
         """
+        if names in EXPERT_AXES:
+            return self._expert_ranks(str(names), self.ranks("dp", rank), rank)
         axes = self._axes(names)
         members = self._members()
         rank = self._default_rank(rank)
@@ -388,6 +445,27 @@ class ParallelDims:
                 coord[i] = value
             found.append(members[ProcessGroupMesh.ravel(coord, shape)])
         return sorted(found)
+
+    def _expert_ranks(self, name: str, dp_ranks: list[int], rank: int | None) -> list[int]:
+        """The ``ep`` or ``moe_dp`` ranks inside one dp group (``rank`` among ``dp_ranks``)."""
+        index = dp_ranks.index(self._default_rank(rank))
+        inner = self.ep if self.moe_dp_outside else self.moe_dp
+        inner_name = "ep" if self.moe_dp_outside else "moe_dp"
+        if name == inner_name:  # consecutive ranks of dp
+            start = index // inner * inner
+            return dp_ranks[start : start + inner]
+        return dp_ranks[index % inner :: inner]  # strided
+
+    def expert_rank_groups(self, name: str) -> list[list[int]]:
+        """Every ``ep`` (or ``moe_dp``) group of the job, in a deterministic order."""
+        if name not in EXPERT_AXES:
+            raise ValueError(f"name={name!r} must be one of {EXPERT_AXES}")
+        out: list[list[int]] = []
+        for member in self._members():
+            ranks = self._expert_ranks(name, self.ranks("dp", member), member)
+            if ranks not in out:
+                out.append(ranks)
+        return out
 
     def coordinate(self, names: str | Sequence[str], rank: int | None = None) -> int:
         """Index of ``rank`` (this rank by default) in its group along ``names``.
@@ -427,6 +505,8 @@ class ParallelDims:
                 asked of a ParallelDims built from one.
         """
         size = self.size(names)
+        if names in EXPERT_AXES and self.dp_group is None and size < (self.world_size or 1):
+            return self._expert_group(str(names))
         if self.dp_group is not None:
             if size == self.dp:
                 return keep_alive(self.dp_group)  # see group_lifetime
@@ -445,6 +525,17 @@ class ParallelDims:
         if size == self.world_size:
             return keep_alive(dist.group.WORLD)  # type: ignore[return-value]
         return self.build_mesh().get_group_along_axis(self._axes(names))
+
+    def _expert_group(self, name: str) -> ProcessGroup:
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.group needs torch.distributed initialized")
+        mesh = self.build_mesh()
+        mine = self.ranks(name)
+        for ranks in self.expert_rank_groups(name):  # collective: every rank, same order
+            group = mesh.get_group(ranks)
+            if ranks == mine:
+                found = group
+        return found  # this rank is in exactly one of the groups
 
     def destroy(self) -> None:
         """Destroy the groups this ParallelDims created (never the default or a given one)."""

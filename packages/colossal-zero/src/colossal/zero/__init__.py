@@ -3,15 +3,18 @@
 from colossal.zero.__about__ import __version__
 from colossal.zero.config import ZeroConfig
 from colossal.zero.memory import MemoryReport
+from colossal.zero.moe import MoeLowLevelZeroOptimizer, is_expert_param
 from colossal.zero.optimizer import LowLevelZeroOptimizer
 from colossal.zero.state_dict import StateRef, sharded_params, sharded_state_dict
 
 __all__ = [
     "LowLevelZeroOptimizer",
     "MemoryReport",
+    "MoeLowLevelZeroOptimizer",
     "StateRef",
     "ZeroConfig",
     "__version__",
+    "is_expert_param",
     "sharded_params",
     "sharded_state_dict",
 ]

@@ -80,6 +80,9 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         verbose: Log overflows and scale changes at INFO level.
         scaler_config: The fp16 loss scaler's settings as one ``ScalerConfig`` (instead of
             the seven keyword settings above).
+        grad_divisor: What the gradients summed over the group are divided by (the group
+            size by default: the mean, as DDP). Expert parameters whose gradients already sum
+            over ``ep`` ranks' tokens use ``moe_dp * ep`` (see :mod:`colossal.zero.moe`).
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -112,6 +115,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         overlap_allgather: bool = True,
         verbose: bool = False,
         scaler_config: ScalerConfig | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         super().__init__(optimizer)
         scaler = scaler_config_from(
@@ -149,6 +153,13 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         self._dp_ranks = group_ranks(dp_process_group)
         self.world_size = len(self._dp_ranks)
         self.rank = self._dp_ranks.index(dist.get_rank())
+        if grad_divisor is not None and (
+            isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int) or grad_divisor < 1
+        ):
+            raise ValueError(
+                f"grad_divisor={grad_divisor!r} must be a positive int (or None: the group size)"
+            )
+        self.grad_divisor = self.world_size if grad_divisor is None else grad_divisor
         # Parameters without a placement record lie along these axes (ColossalAI's arguments).
         self._implied = ImpliedAxes(tp_process_group, pp_process_group)
         self._verbose = verbose
@@ -391,8 +402,14 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         if self._terms is None:
             params = [slot.param for bucket in self.buckets for slot in bucket.slots]
             self._norm_reduce_group = norm_group(params, self.dp_group, self._implied)
-            self._terms = slice_norm_terms(self.buckets, self.rank, self.world_size,
-                                           self.dp_group, self._norm_reduce_group, self._implied)
+            self._terms = slice_norm_terms(
+                self.buckets,
+                self.rank,
+                self.world_size,
+                self.dp_group,
+                self._norm_reduce_group,
+                self._implied,
+            )
         return self._terms
 
     def _norm_pieces(self) -> Iterator[tuple[torch.Tensor, NormTerm]]:
@@ -409,7 +426,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             p = self.config.norm_type
             share = norm_share(self._norm_pieces(), p, device=torch.device("cpu"))
             raw = float(reduce_norm(share, p, self._norm_reduce_group).item())
-            self._grad_norm = raw / (self.world_size * self.loss_scale)
+            self._grad_norm = raw / (self.grad_divisor * self.loss_scale)
         return self._grad_norm
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float | None = None) -> float:
@@ -460,7 +477,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             )
             self._finish_step()
             return
-        factor = 1.0 / (self.world_size * scaled_by)
+        factor = 1.0 / (self.grad_divisor * scaled_by)
         max_norm = self._pending_clip or self.config.clip_grad_norm
         if max_norm > 0 and norm > max_norm:
             factor *= max_norm / (norm + 1e-6)
@@ -555,9 +572,7 @@ def _tensors(value: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[to
         return [value]
     if isinstance(value, Sequence) and all(isinstance(t, torch.Tensor) for t in value):
         return list(value)
-    raise TypeError(
-        f"{name} must be a tensor or a sequence of tensors, got {type(value).__name__}"
-    )
+    raise TypeError(f"{name} must be a tensor or a sequence of tensors, got {type(value).__name__}")
 
 
 if TYPE_CHECKING:  # a type checker verifies the accumulation contract

@@ -44,6 +44,7 @@ __all__ = [
     "LowLevelZeroPlugin",
     "MixedPrecision",
     "MixedPrecisionOptimizer",
+    "MoeHybridParallelPlugin",
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
@@ -54,6 +55,7 @@ _PLUGINS = (
     "GeminiPlugin",
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
+    "MoeHybridParallelPlugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
 )

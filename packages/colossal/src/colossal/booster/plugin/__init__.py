@@ -14,6 +14,7 @@ __all__ = [
     "GeminiPlugin",
     "HybridParallelPlugin",
     "LowLevelZeroPlugin",
+    "MoeHybridParallelPlugin",
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
@@ -25,6 +26,7 @@ _LAZY = {
     "TorchFSDPPlugin": "colossal.booster.plugin.fsdp.plugin",
     "GeminiPlugin": "colossal.booster.plugin.gemini.plugin",
     "HybridParallelPlugin": "colossal.booster.plugin.hybrid.plugin",
+    "MoeHybridParallelPlugin": "colossal.booster.plugin.moe_hybrid.plugin",
 }
 
 

@@ -34,13 +34,17 @@ class _Net(nn.Module):
         self.fc_out = nn.Linear(H, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc_in(x))
+        h = torch.sigmoid(self.fc_in(x))  # positive: a forced gate picks the same experts
         return self.fc_out(h + self.moe(h))
 
 
-def _reference() -> _Net:
+def _reference(forced: bool) -> _Net:
     torch.manual_seed(0)
-    return _Net(None)
+    ref = _Net(None)
+    if forced:  # every token picks experts 0 and 1: ep rank 1's experts get no token
+        with torch.no_grad():
+            ref.moe.gate_weight.copy_(torch.tensor([[4.0], [2.0], [-4.0], [-4.0]]).expand(E, H))
+    return ref
 
 
 def _copy_into(model: _Net, ref: _Net, lo: int, hi: int) -> None:
@@ -53,7 +57,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank: int, stage: int, root: str) -> None:
+def _train(rank: int, stage: int, forced: bool, root: str) -> None:
     from colossal.booster.plugin import MoeHybridParallelPlugin
 
     plugin = MoeHybridParallelPlugin(
@@ -62,7 +66,7 @@ def _train(rank: int, stage: int, root: str) -> None:
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
     ep_rank = dist.get_rank(plugin.ep_group)
     lo, hi = ep_rank * E // 2, (ep_rank + 1) * E // 2
-    ref = _reference()
+    ref = _reference(forced)
     ref_opt = _adamw(ref)
     model = _Net(plugin.ep_group)
     _copy_into(model, ref, lo, hi)
@@ -75,6 +79,9 @@ def _train(rank: int, stage: int, root: str) -> None:
         nn.functional.mse_loss(ref(x.reshape(-1, H)), target.reshape(-1, H)).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
         assert ref_norm > 2 * MAX_NORM, "clipping must be active"
+        if forced:
+            w1 = ref.moe.experts.w1.grad
+            assert w1 is not None and bool((w1[2:] == 0).all()) and bool((w1[:2] != 0).any())
         ref_opt.step()
         optimizer.zero_grad()
         booster.backward(nn.functional.mse_loss(boosted(x[rank]), target[rank]), optimizer)
@@ -94,23 +101,36 @@ def _train(rank: int, stage: int, root: str) -> None:
     plain_booster.load_model(plain, f"{root}/stage{stage}")
     for (name, p), q in zip(plain.unwrap().named_parameters(), ref.parameters(), strict=True):
         assert_rel_close(p.detach(), q.detach(), RTOL, f"loaded {name}")
+    # ... and under ep 4 (one expert per rank).
+    ep4 = MoeHybridParallelPlugin(ep_size=4, precision="fp32")
+    ep4_booster = Booster(plugin=ep4)
+    torch.manual_seed(7)
+    one, *_ = ep4_booster.boost(_Net(ep4.ep_group))
+    ep4_booster.load_model(one, f"{root}/stage{stage}")
+    for (name, p), q in zip(one.unwrap().named_parameters(), ref.parameters(), strict=True):
+        want = q[rank : rank + 1] if name.startswith("moe.experts.") else q
+        assert_rel_close(p.detach(), want.detach(), RTOL, f"ep4 loaded {name}")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    ("stage", "forced"), [(1, False), (2, False), (2, True)], ids=["zero1", "zero2", "zero2-idle"]
+)
 @distributed_test(4, timeout=150, comm_timeout=60)
-def test_ep2_matches_single_process_and_checkpoint_loads_at_ep1(
-    rank: int, world_size: int, stage: int
+def test_ep2_matches_single_process_and_checkpoint_loads_at_ep1_and_ep4(
+    rank: int, world_size: int, stage: int, forced: bool
 ) -> None:
     """Catches: experts not sharded over ep or averaged over dp instead of moe_dp (x 1/ep),
     dense parameters reduced over moe_dp, a norm missing the other ep rank's experts or
     counting moe_dp copies twice, max_norm not reaching both parts; a checkpoint writing only
-    dp rank 0's experts (the ep-1 load would miss experts 2-3 or fail strict loading)."""
+    dp rank 0's experts (the ep-1 load would miss experts 2-3 or fail strict loading), loading
+    the wrong block at ep 4; and ColossalAI's ZeRO-2 hang when ep rank 1's experts receive no
+    tokens (``zero2-idle``: a hang fails by the timeout)."""
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="moe_ckpt_") if rank == 0 else None
     root = all_gather_object(root)[0]
     assert root is not None
     try:
-        _train(rank, stage, root)
+        _train(rank, stage, forced, root)
     finally:
         dist.barrier()
         if rank == 0:

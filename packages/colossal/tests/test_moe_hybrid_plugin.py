@@ -57,11 +57,15 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank: int, stage: int, forced: bool, root: str) -> None:
+def _train(rank: int, stage: int, forced: bool, outside: bool, root: str) -> None:
     from colossal.booster.plugin import MoeHybridParallelPlugin
 
     plugin = MoeHybridParallelPlugin(
-        ep_size=2, precision="fp32", zero_stage=stage, max_norm=MAX_NORM
+        ep_size=2, precision="fp32", zero_stage=stage, max_norm=MAX_NORM, moe_dp_outside=outside
+    )
+    ep_ranks = dist.get_process_group_ranks(plugin.ep_group)
+    assert ep_ranks == (
+        [rank - rank % 2, rank - rank % 2 + 1] if outside else [rank % 2, rank % 2 + 2]
     )
     assert (plugin.ep_size, plugin.moe_dp_size, plugin.dp_size) == (2, 2, 4)
     ep_rank = dist.get_rank(plugin.ep_group)
@@ -113,24 +117,26 @@ def _train(rank: int, stage: int, forced: bool, root: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stage", "forced"), [(1, False), (2, False), (2, True)], ids=["zero1", "zero2", "zero2-idle"]
+    ("stage", "forced", "outside"),
+    [(1, False, True), (2, False, True), (2, True, True), (1, False, False)],
+    ids=["zero1", "zero2", "zero2-idle", "zero1-moe_dp_inner"],
 )
 @distributed_test(4, timeout=150, comm_timeout=60)
 def test_ep2_matches_single_process_and_checkpoint_loads_at_ep1_and_ep4(
-    rank: int, world_size: int, stage: int, forced: bool
+    rank: int, world_size: int, stage: int, forced: bool, outside: bool
 ) -> None:
     """Catches: experts not sharded over ep or averaged over dp instead of moe_dp (x 1/ep),
     dense parameters reduced over moe_dp, a norm missing the other ep rank's experts or
     counting moe_dp copies twice, max_norm not reaching both parts; a checkpoint writing only
     dp rank 0's experts (the ep-1 load would miss experts 2-3 or fail strict loading), loading
     the wrong block at ep 4; and ColossalAI's ZeRO-2 hang when ep rank 1's experts receive no
-    tokens (``zero2-idle``: a hang fails by the timeout)."""
+    tokens (``zero2-idle``: a hang fails by the timeout); ``moe_dp_outside=False`` ignored."""
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="moe_ckpt_") if rank == 0 else None
     root = all_gather_object(root)[0]
     assert root is not None
     try:
-        _train(rank, stage, forced, root)
+        _train(rank, stage, forced, outside, root)
     finally:
         dist.barrier()
         if rank == 0:

@@ -165,7 +165,15 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             _apply_expert_parallel(model, self.ep_group)
         self._check_expert_group(model)
         if optimizer is not None:
+            before = [len(g["params"]) for g in optimizer.param_groups]
             repoint_by_alias(optimizer, model, group_names)
+            after = [len(g["params"]) for g in optimizer.param_groups]
+            if after != before:
+                raise RuntimeError(
+                    f"the optimizer's groups held {before} parameters but {after} after the "
+                    "experts were replaced: the expert-parallel modules must keep the "
+                    "parameter names"
+                )
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)

@@ -185,6 +185,8 @@ CONFIG_ERA: dict[str, Row] = {
     # the seeds' "Add Your Own Parallel Mode" page calls it dist_group_initializer
     "colossalai.context.dist_group_initializer": served("colossal.legacy.context.initializer"),
     "colossalai.context.random": served("colossal.legacy.context.random"),
+    # MoE (the seeds' "Integrate Mixture-of-Experts Into Your Model"): moe_env / MOE_CONTEXT
+    "colossalai.context.moe_context": served("colossal.legacy.context.moe_context"),
     "colossalai.core": served("colossal.legacy.core"),
     "colossalai.engine": served("colossal.legacy.engine", tree=True),
     "colossalai.global_variables": served("colossal.legacy.global_variables"),
@@ -195,6 +197,9 @@ CONFIG_ERA: dict[str, Row] = {
     # The mode-dispatched layers (Linear, LayerNorm, Classifier... and Linear2D/2p5D/3D);
     # colossalai.nn star-imports them, so `col_nn.Linear` resolves.
     "colossalai.nn.layer": served("colossal.legacy.nn.layer", tree=True),
+    # the page says "create a MoE layer from colossalai.nn.moe"; ColossalAI's own path is
+    # colossalai.nn.layer.moe (served through the layer tree)
+    "colossalai.nn.moe": served("colossal.legacy.nn.layer.moe"),
     "colossalai.nn.layer.wrapper": served(
         names={
             "PipelineSharedModuleWrapper": "colossal.legacy.pipeline:PipelineSharedModuleWrapper"

@@ -16,6 +16,9 @@ Reads ``gpc.config`` (after :func:`colossal.legacy.launch`) and returns
   accumulate_gradient`; ``clip_grad_norm=x``: the Engine clips; ``NUM_MICRO_BATCHES`` with
   a pipeline: :class:`PipelineSchedule` (``InterleavedPipelineSchedule`` when the config's
   ``model.num_chunks`` > 1).
+- ``parallel=dict(moe=dict(size=E))`` and a model with experts: the ``MoeGradientHandler``
+  (experts over ``MOE_DATA``, the rest over ``DATA``) instead of DDP, parameters broadcast
+  over the same groups; ZeRO and ``clip_grad_norm`` are refused with it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from colossal.legacy.engine import (
 from colossal.legacy.engine.features import EngineFeatures, parse_features
 from colossal.legacy.engine.gradient_accumulation import accumulate_gradient
 from colossal.legacy.engine.gradient_handler import BaseGradientHandler
+from colossal.legacy.engine.gradient_handler.moe import expert_parameters
 from colossal.legacy.engine.replicas import mark_replicated_axes
 from colossal.legacy.pipeline.shared import mark_stage_parameters, shared_parameters
 from colossal.legacy.registry import GRADIENT_HANDLER
@@ -76,6 +80,46 @@ def _sync_params(model: nn.Module, mode: ParallelMode) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             broadcast(tensor.data, src, group)
+
+
+def _moe_job(model: nn.Module, features: EngineFeatures) -> bool:
+    """Whether ``model`` has experts in a job with MoE groups (checks what combines with it)."""
+    if not gpc.is_initialized(ParallelMode.MOE_MODEL) or not expert_parameters(model):
+        return False
+    if features.zero is not None:
+        raise ValueError(
+            "zero=dict(...) with a MoE model under parallel=dict(moe=...) is not supported: "
+            "ZeRO would average expert gradients over DATA; drop zero (the MoeGradientHandler "
+            "reduces the gradients) or use colossal's MoeHybridParallelPlugin"
+        )
+    if features.clip_grad_norm:
+        raise ValueError(
+            f"clip_grad_norm={features.clip_grad_norm} with a MoE model under "
+            "parallel=dict(moe=...) is not supported (each rank holds different experts, so "
+            "the norm is not one rank's); remove clip_grad_norm from the config"
+        )
+    return True
+
+
+def _sync_moe_params(model: nn.Module) -> None:
+    """Broadcast experts over MOE_DATA and everything else over DATA (each from rank 0)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    for mode, tensors in (
+        (ParallelMode.MOE_DATA, [p for p in model.parameters() if id(p) in experts]),
+        (
+            ParallelMode.DATA,
+            [
+                *(p for p in model.parameters() if id(p) not in experts),
+                *model.buffers(),
+            ],
+        ),
+    ):
+        if gpc.get_world_size(mode) < 2:
+            continue
+        group, src = gpc.get_group(mode), gpc.get_ranks_in_group(mode)[0]
+        with torch.no_grad():
+            for tensor in tensors:
+                broadcast(tensor.data, src, group)
 
 
 def _unwrap(optimizer: Optimizer | OptimizerWrapper) -> Optimizer:
@@ -182,10 +226,11 @@ def initialize(
     if use_pp:
         mark_stage_parameters(model)  # each stage's share counts once in the gradient norm
     mode = _data_mode()
+    moe = _moe_job(model, features)
     data_parallel = gpc.get_world_size(mode) > 1
     tensor_parallel = gpc.tensor_parallel_size > 1 and gpc.tensor_parallel_mode != "sequence"
     replicated = [("tp", gpc.get_group(ParallelMode.TENSOR))] if tensor_parallel else []
-    if data_parallel and features.zero is None:  # ZeRO describes its own data-parallel split
+    if data_parallel and features.zero is None and not moe:  # ZeRO marks its own split
         replicated.append(("dp", gpc.get_group(mode)))
     mark_replicated_axes(model, replicated)  # each replica counts once in the gradient norm
 
@@ -208,6 +253,9 @@ def initialize(
     if features.gradient_handlers is None:
         if features.zero is not None:
             handler_specs = [dict(type="ZeROGradientHandler")]
+        elif moe:  # experts over MOE_DATA, the rest over DATA (ColossalAI adds it too)
+            handler_specs = [dict(type="MoeGradientHandler")]
+            _sync_moe_params(model)
         elif data_parallel:
             if use_pp or tensor_parallel or features.amp_mode is AMP_TYPE.NAIVE:
                 kind = "SequenceParallel" if mode is ParallelMode.SEQUENCE_DP else "DataParallel"
@@ -218,6 +266,8 @@ def initialize(
         if shared_parameters(model):
             shared = dict(type="PipelineSharedModuleGradientHandler")
             handler_specs = [*(handler_specs or []), shared]
+    elif features.zero is None and moe:
+        _sync_moe_params(model)
     elif features.zero is None:
         _sync_params(model, mode)
 

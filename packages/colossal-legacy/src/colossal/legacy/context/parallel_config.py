@@ -3,13 +3,15 @@
 The rules are the seeds' ("Configure Parallelization"): ``pipeline`` and ``data`` are an int or
 ``dict(size=N)``; ``tensor`` is ``dict(size=N, mode=...)`` (a bare ``tensor=4`` is refused:
 the mode must be named); anything left unset is 1 and the data-parallel size is inferred as
-``world_size / (pipeline * tensor)``.
+``world_size / (pipeline * tensor)``. ``moe=dict(size=E)`` (or ``moe=E``) splits the
+data-parallel ranks into MoE model-parallel groups of ``E`` consecutive ranks (each holds a
+share of the experts) and MoE data-parallel groups across them (``ParallelDims(ep=E)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from colossal.core import ParallelDims
 
@@ -33,6 +35,8 @@ class ParallelSettings:
         mode: Tensor mode: one of :data:`TENSOR_MODES` or a custom initializer's mode.
         depth: Depth of the 2.5D grid.
         tensor_kwargs: Further keys of ``tensor=dict(...)`` (a custom initializer's args).
+        moe: MoE model-parallel size (``parallel=dict(moe=dict(size=E))``); ``None``
+            without ``moe`` (no MoE groups).
     """
 
     data: int = -1
@@ -41,9 +45,26 @@ class ParallelSettings:
     mode: str | None = None
     depth: int = 1
     tensor_kwargs: Mapping[str, object] = field(default_factory=dict)
+    moe: int | None = None
 
     def to_dims(self, world_size: int | None = None) -> ParallelDims:
-        """The :class:`ParallelDims` of these settings (validated against the world size)."""
+        """The :class:`ParallelDims` of these settings (validated against the world size).
+
+        Raises:
+            ValueError: The sizes do not fit the world size (``moe`` must divide the
+                data-parallel size).
+        """
+        try:
+            return self._dims(world_size)
+        except ValueError as err:
+            if self.moe is not None and "ep=" in str(err):
+                raise ValueError(
+                    f"parallel.moe size {self.moe} must divide the data-parallel size: {err}; "
+                    "set moe=dict(size=E) with E among those divisors"
+                ) from err
+            raise
+
+    def _dims(self, world_size: int | None) -> ParallelDims:
         grid = self.mode in GRID_MODES
         sequence = self.mode == "sequence"
         return ParallelDims(
@@ -53,6 +74,7 @@ class ParallelSettings:
             sp=self.tensor if sequence else 1,
             tp_mode=self.mode if grid or self.mode == "1d" else None,
             tp_depth=self.depth if self.mode == "2.5d" else 1,
+            ep=self.moe or 1,
             world_size=world_size,
         )
 
@@ -92,15 +114,17 @@ def parse_parallel(
             f"parallel must be a dict like dict(pipeline=2, tensor=dict(size=4, mode='2d')), "
             f"got {parallel!r}"
         )
-    known = {"data", "pipeline", "tensor"}
-    if "moe" in parallel:
-        raise ValueError(
-            "parallel=dict(moe=...) (expert parallelism) is not implemented in "
-            "colossal-legacy yet; train MoE models with colossal's MoeHybridParallelPlugin"
-        )
+    known = {"data", "pipeline", "tensor", "moe"}
     unknown = sorted(set(parallel) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in parallel; use {sorted(known)}")
+    moe = _size("moe", parallel["moe"]) if "moe" in parallel else None
+    settings = _parse_sizes(parallel, custom_modes)
+    return replace(settings, moe=moe) if moe is not None else settings
+
+
+def _parse_sizes(parallel: Mapping[str, object], custom_modes: tuple[str, ...]) -> ParallelSettings:
+    """The data, pipeline and tensor sections (``parse_parallel`` without ``moe``)."""
     data = _size("data", parallel["data"]) if "data" in parallel else -1
     pipeline = _size("pipeline", parallel["pipeline"]) if "pipeline" in parallel else 1
     tensor = parallel.get("tensor")

@@ -27,6 +27,8 @@ from colossal.legacy.context.parallel_mode import ParallelMode
 __all__ = ["ParallelContext", "global_context", "mode_axes"]
 
 _WORLD: tuple[str, ...] = ()  # GLOBAL: the default group
+# The expert axes, which ParallelDims names by a bare string (not a tuple of mesh axes).
+_EXPERT = (("ep",), ("moe_dp",))
 
 # Group names (of ParallelDims) behind each mode of a tensor mode.
 _TENSOR_MODE_GROUPS: dict[str | None, dict[ParallelMode, tuple[str, ...]]] = {
@@ -67,6 +69,9 @@ def mode_axes(settings: ParallelSettings) -> dict[ParallelMode, tuple[str, ...]]
     if settings.pipeline > 1:
         axes[ParallelMode.PIPELINE] = ("pp",)
     axes.update(_TENSOR_MODE_GROUPS.get(settings.mode, {}))
+    if settings.moe is not None:
+        axes[ParallelMode.MOE_MODEL] = ("ep",)
+        axes[ParallelMode.MOE_DATA] = ("moe_dp",)
     return axes
 
 
@@ -133,11 +138,12 @@ class ParallelContext:
                 assert info is not None
                 cpu = info.cpu_group
             return GroupInfo(rank, world, group, cpu, whole, mode)
-        group = dims.group(axes)
-        ranks = tuple(dims.ranks(axes))
+        names: str | tuple[str, ...] = axes[0] if axes in _EXPERT else axes
+        group = dims.group(names)
+        ranks = tuple(dims.ranks(names))
         cpu_group = group
         if dist.get_backend() != "gloo":
-            every = sorted({tuple(dims.ranks(axes, r)) for r in range(world)})
+            every = sorted({tuple(dims.ranks(names, r)) for r in range(world)})
             info = new_groups(every, mode)
             assert info is not None
             cpu_group = info.cpu_group
@@ -315,7 +321,7 @@ def _why_missing(parallel_mode: ParallelMode | str) -> str:
     if key in (ParallelMode.SEQUENCE, ParallelMode.SEQUENCE_DP):
         return "it needs parallel=dict(tensor=dict(size=N, mode='sequence'))"
     if key in (ParallelMode.MOE_MODEL, ParallelMode.MOE_DATA):
-        return "expert-parallel groups are not implemented in colossal-legacy yet"
+        return "it needs parallel=dict(moe=dict(size=E))"
     for mode, groups in _TENSOR_MODE_GROUPS.items():
         if key in groups:
             return f"it needs parallel=dict(tensor=dict(size=N, mode={mode!r}))"

@@ -1,5 +1,6 @@
 """ColossalAI's config-era ``colossalai.utils``: ranks, devices, data, timers, checkpoints."""
 
+from colossal.legacy.context.random import moe_set_seed
 from colossal.legacy.utils.checkpointing import (
     TRAINING_STATE_FILE,
     load_checkpoint,
@@ -34,6 +35,7 @@ __all__ = [
     "is_using_sequence",
     "load_checkpoint",
     "memory_usage",
+    "moe_set_seed",
     "print_rank_0",
     "read_training_state",
     "report_memory_usage",

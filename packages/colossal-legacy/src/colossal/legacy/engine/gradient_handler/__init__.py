@@ -10,6 +10,7 @@ from colossal.legacy.engine.gradient_handler.data_parallel import (
     SequenceParallelGradientHandler,
     average_gradients,
 )
+from colossal.legacy.engine.gradient_handler.moe import MoeGradientHandler
 from colossal.legacy.engine.gradient_handler.pipeline_shared import (
     PipelineSharedModuleGradientHandler,
 )
@@ -18,6 +19,7 @@ from colossal.legacy.engine.gradient_handler.zero import ZeROGradientHandler
 __all__ = [
     "BaseGradientHandler",
     "DataParallelGradientHandler",
+    "MoeGradientHandler",
     "PipelineSharedModuleGradientHandler",
     "SequenceParallelGradientHandler",
     "ZeROGradientHandler",

@@ -182,6 +182,15 @@ TUTORIALS = {
         ratio=0.85,  # reached 0.56
         env=(("TENSOR_PARALLEL", "1d"),),
     ),
+    # "Integrate Mixture-of-Experts Into Your Model": WideNet, parallel=dict(moe=dict(size=2))
+    # on 4 processes (MOE_MODEL {0, 1}, {2, 3}), MoeLoss, the MoeGradientHandler
+    "moe_widenet": Tutorial(
+        script="moe_widenet/train_widenet.py",
+        nproc=4,
+        args=(),
+        pattern=ENGINE_LOSS,
+        ratio=0.92,  # reached 0.77
+    ),
     # "Auto Mixed Precision Training": torch and naive AMP
     "amp_torch": Tutorial(
         script="amp/train_with_engine.py",
@@ -234,6 +243,9 @@ def test_tutorial_learns(name: str, tmp_path: Path) -> None:
         assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file(), out
     if name == "gpt_interleaved":
         assert "InterleavedPipelineSchedule" in out, out
+    if name == "moe_widenet":  # initialize added the MoE handler; the page's groups
+        assert "gradient handlers: ['MoeGradientHandler']" in out, out
+        assert "MOE_MODEL ranks [2, 3], MOE_DATA ranks [1, 3]" in out, out
 
 
 def test_gradient_accumulation_updates_every_fourth_iteration(tmp_path: Path) -> None:

@@ -140,3 +140,8 @@ def test_moe_groups_and_engine_steps_equal_one_process(rank: int, world_size: in
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     moe_env.reset_loss()
     gpc.destroy()
+    for size, model_ranks, data_ranks in ((4, [0, 1, 2, 3], [rank]), (1, [rank], [0, 1, 2, 3])):
+        init_context(dict(parallel=dict(moe=size)), verbose=False)
+        assert gpc.get_ranks_in_group(ParallelMode.MOE_MODEL) == model_ranks, size
+        assert gpc.get_ranks_in_group(ParallelMode.MOE_DATA) == data_ranks, size
+        gpc.destroy()

@@ -15,7 +15,9 @@ same weights (built from one seed) and compute the same function:
   torchtitan), regroup by
   local expert, a loop over the local experts, the reverse permutation and all-to-all, and a
   weighted ``index_add`` back to the tokens;
-* ``dp``: :class:`TorchEpMoe` without a group: every rank holds every expert.
+* ``dp``: :class:`TorchEpMoe` without a group: every rank holds every expert;
+* ``ours_loop`` (diagnostic): ``MoeLayer`` with ColossalAI's ``Experts`` of one
+  :class:`SwiGLUExpert` module per local expert instead of ``GroupedExperts``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional
 
-from colossal.shardformer.moe import GroupedExperts, MoeLayer, TopKRouter
+from colossal.shardformer.moe import Experts, GroupedExperts, MoeLayer, TopKRouter
 
 AUX_WEIGHT = 0.01
 TOP_K = 2
@@ -98,17 +100,42 @@ class TorchEpMoe(nn.Module):
         return x.new_zeros((num_tokens, self.hidden)).index_add(0, token_of, weighted)
 
 
+class SwiGLUExpert(nn.Module):
+    """One SwiGLU expert ``(silu(x Wg) * x Wu) W2`` with ``w1 = [Wg | Wu]`` ``[H, 2F]``."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(hidden, 2 * ffn))
+        self.w2 = nn.Parameter(torch.empty(ffn, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert's output of ``x`` ``[N, H]``."""
+        gate, up = (x @ self.w1).chunk(2, dim=-1)
+        out: torch.Tensor = (functional.silu(gate) * up) @ self.w2
+        return out
+
+
 class OursMoe(nn.Module):
-    """:class:`MoeLayer` + :class:`GroupedExperts` (SwiGLU) with the aux loss exposed."""
+    """:class:`MoeLayer` with the aux loss exposed; experts fused (:class:`GroupedExperts`,
+    SwiGLU) or, with ``loop``, ColossalAI's :class:`Experts` of :class:`SwiGLUExpert`."""
 
     def __init__(
-        self, hidden: int, ffn: int, experts: int, group: dist.ProcessGroup | None
+        self,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        group: dist.ProcessGroup | None,
+        loop: bool = False,
     ) -> None:
         super().__init__()
-        grouped = GroupedExperts(
-            experts, hidden, ffn, group, activation=functional.silu, gated=True
-        )
-        self.layer = MoeLayer(hidden, experts, TopKRouter(TOP_K, None), grouped)
+        block: GroupedExperts | Experts
+        if loop:
+            block = Experts(SwiGLUExpert, experts, group, hidden=hidden, ffn=ffn)
+        else:
+            block = GroupedExperts(
+                experts, hidden, ffn, group, activation=functional.silu, gated=True
+            )
+        self.layer = MoeLayer(hidden, experts, TopKRouter(TOP_K, None), block)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -136,9 +163,15 @@ class Stack(nn.Module):
         group: dist.ProcessGroup | None,
     ) -> None:
         super().__init__()
-        make = OursMoe if kind == "ours" else TorchEpMoe
+        if kind not in ("ours", "ours_loop", "torch"):
+            raise ValueError(f"kind must be 'ours', 'ours_loop' or 'torch', got {kind!r}")
         self.norms = nn.ModuleList(nn.RMSNorm(hidden) for _ in range(layers))
-        self.moes = nn.ModuleList(make(hidden, ffn, experts, group) for _ in range(layers))
+        self.moes = nn.ModuleList(
+            TorchEpMoe(hidden, ffn, experts, group)
+            if kind == "torch"
+            else OursMoe(hidden, ffn, experts, group, loop=kind == "ours_loop")
+            for _ in range(layers)
+        )
         self.final = nn.RMSNorm(hidden)
 
     def loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -154,20 +187,25 @@ class Stack(nn.Module):
         """The expert weights (sharded over ep, or replicated for ``dp``)."""
         out: list[nn.Parameter] = []
         for moe in self.moes:
-            holder: GroupedExperts | TorchEpMoe
-            if isinstance(moe, OursMoe):
-                assert isinstance(moe.layer.experts, GroupedExperts)
-                holder = moe.layer.experts
-            else:
-                assert isinstance(moe, TorchEpMoe)
-                holder = moe
-            out += [holder.w1, holder.w2]
+            out += [p for pair in _expert_pairs(moe) for p in pair]
         return out
 
     def dense_params(self) -> list[nn.Parameter]:
         """Every other parameter (replicated: gradients all-reduced over the world)."""
         experts = {id(p) for p in self.expert_params()}
         return [p for p in self.parameters() if id(p) not in experts]
+
+
+def _expert_pairs(moe: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """``(w1, w2)`` of a layer's expert block: one fused pair, or one pair per expert."""
+    if isinstance(moe, TorchEpMoe):
+        return [(moe.w1, moe.w2)]
+    assert isinstance(moe, OursMoe)
+    block = moe.layer.experts
+    if isinstance(block, GroupedExperts):
+        return [(block.w1, block.w2)]
+    experts = [e for e in block.experts if isinstance(e, SwiGLUExpert)]
+    return [(e.w1, e.w2) for e in experts]
 
 
 def copy_weights(dst: Stack, src: Stack, experts: int, group_rank: int, ep: int) -> None:
@@ -177,5 +215,13 @@ def copy_weights(dst: Stack, src: Stack, experts: int, group_rank: int, ep: int)
     with torch.no_grad():
         for d, s in zip(dst.dense_params(), src.dense_params(), strict=True):
             d.copy_(s)
-        for d, s in zip(dst.expert_params(), src.expert_params(), strict=True):
-            d.copy_(s[lo : lo + local])
+        for dmoe, smoe in zip(dst.moes, src.moes, strict=True):
+            ((w1, w2),) = _expert_pairs(smoe)
+            pairs = _expert_pairs(dmoe)
+            if len(pairs) == 1:
+                pairs[0][0].copy_(w1[lo : lo + local])
+                pairs[0][1].copy_(w2[lo : lo + local])
+            else:
+                for i, (d1, d2) in enumerate(pairs):
+                    d1.copy_(w1[lo + i])
+                    d2.copy_(w2[lo + i])

@@ -90,15 +90,19 @@ def test_moe_loss_adds_the_weighted_aux_loss() -> None:
         MoeLoss(-1, nn.CrossEntropyLoss)
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.2])
 @distributed_test(4)
-def test_moe_groups_and_engine_steps_equal_one_process(rank: int, world_size: int) -> None:
+def test_moe_groups_and_engine_steps_equal_one_process(
+    rank: int, world_size: int, clip: float
+) -> None:
     """Catches: MOE_MODEL / MOE_DATA groups of the wrong ranks; initialize not adding the
     MoeGradientHandler (or using DDP, which averages different experts together); expert
     gradients averaged over DATA or MOE_DATA alone (off by the moe size); experts seeded
     alike on every rank or differently from one process; expert parameters broadcast over
-    DATA (overwriting other ranks' experts)."""
+    DATA (overwriting other ranks' experts); with clip_grad_norm, a norm that counts an
+    expert on every rank of its MOE_DATA group, or misses other ranks' experts."""
     torch.set_num_threads(1)
-    init_context(dict(parallel=dict(moe=dict(size=2))), verbose=False)
+    init_context(dict(parallel=dict(moe=dict(size=2)), clip_grad_norm=clip), verbose=False)
     assert gpc.get_ranks_in_group(ParallelMode.MOE_MODEL) == [[0, 1], [0, 1], [2, 3], [2, 3]][rank]
     assert gpc.get_ranks_in_group(ParallelMode.MOE_DATA) == [[0, 2], [1, 3], [0, 2], [1, 3]][rank]
     assert gpc.get_ranks_in_group(ParallelMode.DATA) == [0, 1, 2, 3]
@@ -131,6 +135,9 @@ def test_moe_groups_and_engine_steps_equal_one_process(rank: int, world_size: in
         ref_opt.zero_grad()
         total = sum(criterion(ref(x[s : s + 2]), y[s : s + 2]) for s in range(0, 8, 2)) / 4
         total.backward()
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert norm > 2 * clip, norm  # the clip acts
         ref_opt.step()
     for name, param in model.named_parameters():
         if ".experts." in name:

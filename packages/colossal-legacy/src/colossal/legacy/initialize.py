@@ -18,7 +18,8 @@ Reads ``gpc.config`` (after :func:`colossal.legacy.launch`) and returns
   ``model.num_chunks`` > 1).
 - ``parallel=dict(moe=dict(size=E))`` and a model with experts: the ``MoeGradientHandler``
   (experts over ``MOE_DATA``, the rest over ``DATA``) instead of DDP, parameters broadcast
-  over the same groups; ZeRO and ``clip_grad_norm`` are refused with it.
+  over the same groups, expert parameters marked so the clipping norm counts each once;
+  ZeRO is refused with it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from colossal.legacy.engine import (
 from colossal.legacy.engine.features import EngineFeatures, parse_features
 from colossal.legacy.engine.gradient_accumulation import accumulate_gradient
 from colossal.legacy.engine.gradient_handler import BaseGradientHandler
-from colossal.legacy.engine.gradient_handler.moe import expert_parameters
+from colossal.legacy.engine.gradient_handler.moe import expert_parameters, mark_expert_placements
 from colossal.legacy.engine.replicas import mark_replicated_axes
 from colossal.legacy.pipeline.shared import mark_stage_parameters, shared_parameters
 from colossal.legacy.registry import GRADIENT_HANDLER
@@ -91,12 +92,6 @@ def _moe_job(model: nn.Module, features: EngineFeatures) -> bool:
             "zero=dict(...) with a MoE model under parallel=dict(moe=...) is not supported: "
             "ZeRO would average expert gradients over DATA; drop zero (the MoeGradientHandler "
             "reduces the gradients) or use colossal's MoeHybridParallelPlugin"
-        )
-    if features.clip_grad_norm:
-        raise ValueError(
-            f"clip_grad_norm={features.clip_grad_norm} with a MoE model under "
-            "parallel=dict(moe=...) is not supported (each rank holds different experts, so "
-            "the norm is not one rank's); remove clip_grad_norm from the config"
         )
     return True
 
@@ -230,7 +225,9 @@ def initialize(
     data_parallel = gpc.get_world_size(mode) > 1
     tensor_parallel = gpc.tensor_parallel_size > 1 and gpc.tensor_parallel_mode != "sequence"
     replicated = [("tp", gpc.get_group(ParallelMode.TENSOR))] if tensor_parallel else []
-    if data_parallel and features.zero is None and not moe:  # ZeRO marks its own split
+    if moe:  # experts count once in the gradient norm (dp_ep / dp_moe sub-axes of dp)
+        mark_expert_placements(model)
+    if data_parallel and features.zero is None:  # ZeRO describes its own data-parallel split
         replicated.append(("dp", gpc.get_group(mode)))
     mark_replicated_axes(model, replicated)  # each replica counts once in the gradient norm
 

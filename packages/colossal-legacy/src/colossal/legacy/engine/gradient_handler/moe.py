@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from colossal.core import OptimizerWrapper
+from colossal.core import OptimizerWrapper, Owned, Placement, Replicate, mark_sharded, shard_spec
 from colossal.legacy.context.parallel_context import global_context as gpc
 from colossal.legacy.context.parallel_mode import ParallelMode
 from colossal.legacy.engine.gradient_handler.base import BaseGradientHandler
@@ -22,7 +22,12 @@ from colossal.legacy.engine.gradient_handler.data_parallel import average_gradie
 from colossal.legacy.registry import GRADIENT_HANDLER
 from colossal.shardformer.moe import Experts, GroupedExperts
 
-__all__ = ["MoeGradientHandler", "expert_parameters", "has_moe_parameters"]
+__all__ = [
+    "MoeGradientHandler",
+    "expert_parameters",
+    "has_moe_parameters",
+    "mark_expert_placements",
+]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -36,6 +41,34 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
         if getattr(param, "moe_param", False):
             found[id(param)] = param
     return list(found.values())
+
+
+def mark_expert_placements(model: nn.Module) -> int:
+    """Mark unmarked expert parameters for the one gradient norm: each counts once.
+
+    A local expert is this rank's own within its MOE_MODEL group (``Owned`` along
+    ``dp_ep``) and replicated over MOE_DATA (``Replicate`` along ``dp_moe``). Both axes are
+    sub-axes of dp, so marking the rest replicated over ``dp`` afterwards leaves experts
+    alone. Axes of one rank are skipped; parameters already marked (``GroupedExperts``'
+    ``ep`` blocks) are left as they are.
+
+    Returns:
+        How many parameters were marked.
+    """
+    axes: list[Placement] = []
+    if gpc.get_world_size(ParallelMode.MOE_DATA) > 1:
+        axes.append(Placement("dp_moe", Replicate(), gpc.get_group(ParallelMode.MOE_DATA)))
+    if gpc.get_world_size(ParallelMode.MOE_MODEL) > 1:
+        owner = gpc.get_local_rank(ParallelMode.MOE_MODEL)
+        axes.append(Placement("dp_ep", Owned(owner), gpc.get_group(ParallelMode.MOE_MODEL)))
+    if not axes:
+        return 0
+    marked = 0
+    for param in expert_parameters(model):
+        if shard_spec(param) is None:
+            mark_sharded(param, tuple(axes), param.shape)
+            marked += 1
+    return marked
 
 
 def has_moe_parameters(model: nn.Module) -> bool:

@@ -152,3 +152,26 @@ def test_moe_groups_and_engine_steps_equal_one_process(
         assert gpc.get_ranks_in_group(ParallelMode.MOE_MODEL) == model_ranks, size
         assert gpc.get_ranks_in_group(ParallelMode.MOE_DATA) == data_ranks, size
         gpc.destroy()
+
+
+@distributed_test(1)
+def test_moe_misuse_is_named(rank: int, world_size: int) -> None:
+    """Catches: ZeRO silently averaging expert gradients over DATA under moe; the MoE handler
+    built without MoE groups; a non-module expert class or a layer/experts count mismatch
+    accepted."""
+    torch.set_num_threads(1)
+    with pytest.raises(RuntimeError, match=r"MoeGradientHandler needs the MoE groups"):
+        init_context(dict(), verbose=False)
+        try:
+            MoeGradientHandler(nn.Linear(2, 2), torch.optim.SGD([nn.Parameter(torch.ones(1))]))
+        finally:
+            gpc.destroy()
+    init_context(dict(parallel=dict(moe=1), zero=dict(stage=1)), verbose=False)
+    model = _Tiny(all_local=False)
+    with pytest.raises(ValueError, match=r"zero=dict\(...\) with a MoE model"):
+        initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"expert must be an nn.Module class, got 3"):
+        Experts(3, EXPERTS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"experts hold 4 experts, the layer 2"):
+        MoeLayer(HIDDEN, 2, Top2Router(), Experts(_FFN, EXPERTS, d_model=HIDDEN, d_ff=4))
+    gpc.destroy()

@@ -17,6 +17,7 @@ from colossal.legacy.context import ParallelMode, moe_env, moe_set_seed, parse_p
 from colossal.legacy.core import gpc
 from colossal.legacy.engine.gradient_handler import MoeGradientHandler
 from colossal.legacy.nn.layer.moe import Experts, MoeLayer, MoeLoss, Top2Router
+from colossal.legacy.utils import save_checkpoint
 
 HIDDEN, EXPERTS, CLASSES, TOKENS = 8, 4, 5, 6  # TOKENS per sample
 
@@ -99,7 +100,8 @@ def test_moe_groups_and_engine_steps_equal_one_process(
     MoeGradientHandler (or using DDP, which averages different experts together); expert
     gradients averaged over DATA or MOE_DATA alone (off by the moe size); experts seeded
     alike on every rank or differently from one process; expert parameters broadcast over
-    DATA (overwriting other ranks' experts); with clip_grad_norm, a norm that counts an
+    DATA (overwriting other ranks' experts); save_checkpoint writing one rank's split
+    experts under local names; with clip_grad_norm, a norm that counts an
     expert on every rank of its MOE_DATA group, or misses other ranks' experts."""
     torch.set_num_threads(1)
     init_context(dict(parallel=dict(moe=dict(size=2)), clip_grad_norm=clip), verbose=False)
@@ -145,6 +147,8 @@ def test_moe_groups_and_engine_steps_equal_one_process(
         torch.testing.assert_close(param, ref.get_parameter(name), rtol=1e-5, atol=1e-6)
     for p, q in _expert_pairs(model, ref):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match=r"save_checkpoint: the experts are split"):
+        save_checkpoint("/nonexistent/ckpt", 0, model)
     moe_env.reset_loss()
     gpc.destroy()
     for size, model_ranks, data_ranks in ((4, [0, 1, 2, 3], [rank]), (1, [rank], [0, 1, 2, 3])):

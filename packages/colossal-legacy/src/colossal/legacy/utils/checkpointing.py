@@ -26,10 +26,13 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from colossal.checkpoint_io import CheckpointIO, group_param_names
 from colossal.core import ModelWrapper, OptimizerWrapper
+from colossal.legacy.context.parallel_context import global_context as gpc
+from colossal.legacy.context.parallel_mode import ParallelMode
 from colossal.legacy.engine.gradient_accumulation import (
     GradAccumLrSchedulerByStep,
     GradAccumOptimizer,
 )
+from colossal.legacy.engine.gradient_handler.moe import expert_parameters
 from colossal.legacy.utils.common import is_using_pp
 
 __all__ = [
@@ -133,6 +136,19 @@ def _refuse_pipeline(what: str) -> None:
         )
 
 
+def _refuse_split_experts(what: str, model: nn.Module) -> None:
+    if (
+        gpc.is_initialized(ParallelMode.MOE_MODEL)
+        and gpc.get_world_size(ParallelMode.MOE_MODEL) > 1
+        and expert_parameters(model)
+    ):
+        raise NotImplementedError(
+            f"{what}: the experts are split over the MoE model-parallel ranks (each holds its "
+            "own under the same local names); save them per rank with "
+            "torch.save(model.state_dict(), f'rank{rank}.pt'), or train with moe=dict(size=1)"
+        )
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -165,9 +181,11 @@ def save_checkpoint(
     Raises:
         TypeError: A value in ``kwargs`` that JSON cannot hold, or an optimizer without
             parameter names whose tensors are not the model's.
-        NotImplementedError: Pipeline parallelism (use the Booster's hybrid plugin).
+        NotImplementedError: Pipeline parallelism (use the Booster's hybrid plugin), or
+            experts split over MoE model-parallel ranks.
     """
     _refuse_pipeline("save_checkpoint")
+    _refuse_split_experts("save_checkpoint", model)
     state = {"epoch": int(epoch), "extra": dict(kwargs)}
     try:
         text = json.dumps(state, indent=2, sort_keys=True)
@@ -233,6 +251,7 @@ def load_checkpoint(
         NotImplementedError: Pipeline parallelism (use the Booster's hybrid plugin).
     """
     _refuse_pipeline("load_checkpoint")
+    _refuse_split_experts("load_checkpoint", model)
     directory = os.fspath(file)
     if not os.path.exists(directory):
         raise FileNotFoundError(f"load_checkpoint: no checkpoint at {directory!r}")

@@ -73,9 +73,17 @@ ZERO_GRAD_ATOL = 1e-6
 
 
 def _check(
-    build: Any, batch: dict[str, torch.Tensor], what: str, rtol: float = RTOL, **kwargs: Any
+    build: Any,
+    batch: dict[str, torch.Tensor],
+    what: str,
+    rtol: float = RTOL,
+    param_rtol: float | None = None,
+    **kwargs: Any,
 ) -> Any:
-    """``reference_check`` with this family's policy; raises listing every failure."""
+    """``reference_check`` with this family's policy; raises listing every failure.
+
+    ``param_rtol`` (default ``rtol``) bounds the parameters after the SGD steps alone.
+    """
     from _models import reference_check
 
     from colossal.core import sharded_view
@@ -94,7 +102,7 @@ def _check(
     failures = [f for f in failures if not f.startswith("replicated grad spread")]
     for label, errs, tol in (
         ("grad", report.grads, rtol),
-        ("param", report.params, rtol),
+        ("param", report.params, rtol if param_rtol is None else param_rtol),
         ("update", report.updates, max(rtol, UPDATE_RTOL)),
         ("replicated grad spread", report.replicated_spread, rtol),
     ):
@@ -137,7 +145,10 @@ def test_gpt2(rank: int, world_size: int) -> None:
             steps=0,
         )
         seq_cls = "GPT2ForSequenceClassification"
-        _check(_gpt2(seq_cls), _cls_batch(batch), seq_cls, lr=1.0)
+        # lr 1.0 (so the pooled score moves) carries each step's fp32 rounding into the next
+        # step's gradient: parameters drift to ~2e-5 apart (1.6e-5 seen on a CI run), still far
+        # below the ~1e-1 a missing reduce or a wrong shard gives.
+        _check(_gpt2(seq_cls), _cls_batch(batch), seq_cls, lr=1.0, param_rtol=1e-4)
     if world_size == 2:
         _check_bf16(_gpt2("GPT2LMHeadModel"), batch, "GPT2LMHeadModel")
 

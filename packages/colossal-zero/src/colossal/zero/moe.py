@@ -159,13 +159,23 @@ class MoeLowLevelZeroOptimizer(OptimizerWrapper):
         options.update(zero_options)
         self.parts: list[LowLevelZeroOptimizer] = []
         self._origins: list[list[int]] = []
+        self.part_groups: list[list[list[int]]] = []
+        """Per part, per its param group, the wrapped optimizer's flat index of each param."""
+        flat = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
         dense, dense_origin = _split_optimizer(optimizer, lambda p: not is_expert(p))
+        expert, expert_origin = _split_optimizer(optimizer, is_expert)
+        for part in (dense, expert):
+            if part is not None:
+                self.part_groups.append(
+                    [[flat[id(p)] for p in g["params"]] for g in part.param_groups]
+                )
         if dense is not None:
             self.parts.append(
                 LowLevelZeroOptimizer(dense, dp_process_group=dp_process_group, **options)
             )
             self._origins.append(dense_origin)
-        expert, expert_origin = _split_optimizer(optimizer, is_expert)
         self.expert_optimizer: LowLevelZeroOptimizer | None = None
         if expert is not None:
             self.expert_optimizer = LowLevelZeroOptimizer(
@@ -294,7 +304,17 @@ class MoeLowLevelZeroOptimizer(OptimizerWrapper):
         return {name: part.state_dict() for name, part in zip(names, self.parts, strict=True)}
 
     def load_state_dict(self, state_dict: StateDict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (or a checkpoint's indexed state dict).
+
+        A state dict with ``"state"`` and ``"param_groups"`` is keyed by the wrapped
+        optimizer's parameter indices and is split between the two parts.
+        """
+        if "state" in state_dict:
+            from colossal.zero.moe_state import split_state_dict
+
+            for part, sd in zip(self.parts, split_state_dict(self, state_dict), strict=True):
+                part.load_state_dict(sd)
+            return
         for name, part in zip(self._part_names(), self.parts, strict=True):
             if name not in state_dict:
                 raise ValueError(

@@ -115,7 +115,8 @@ def combine(expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         and state.send_splits is not None
         and state.recv_splits is not None
     ):
-        back = expert_out.index_select(0, torch.argsort(state.regroup))
+        # undo the regrouping: row i of expert_out came from received row regroup[i]
+        back = torch.empty_like(expert_out).index_copy(0, state.regroup, expert_out)
         expert_out = all_to_all_uneven(back, state.send_splits, state.recv_splits, state.group)
     weighted = expert_out * state.weights.to(expert_out.dtype)[:, None]
     out = expert_out.new_zeros((state.num_tokens, *expert_out.shape[1:]))

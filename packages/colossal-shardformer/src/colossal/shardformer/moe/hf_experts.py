@@ -112,18 +112,30 @@ class HFExpertParallelExperts(nn.Module):
         """Experts held on this rank."""
         return self.num_experts // ep_size(self.ep_group)
 
-    def _project(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        weight: torch.Tensor = getattr(self, name)[e]
-        out = x @ weight if self.is_transposed else nn.functional.linear(x, weight)
+    def _per_expert(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(weight, bias)`` of each local expert for projection ``name``.
+
+        Unbound once per step: indexing ``weight[e]`` per expert would give each expert a
+        zero-filled gradient of the whole ``[E/ep, ...]`` parameter and sum them.
+        """
+        weights = getattr(self, name).unbind(0)
         bias = getattr(self, f"{name}_bias", None)
-        return out + bias[e] if isinstance(bias, torch.Tensor) else out
+        biases = bias.unbind(0) if isinstance(bias, torch.Tensor) else [None] * len(weights)
+        return list(zip(weights, biases, strict=True))
+
+    def _project(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        out = x @ weight if self.is_transposed else nn.functional.linear(x, weight)
+        return out if bias is None else out + bias
 
     def run_local(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Outputs of tokens grouped by local expert (``counts[e]`` rows for local expert ``e``)."""
         outs = []
-        for e, part in enumerate(torch.split(tokens, counts)):
-            gate, up = self._project(part, "gate_up_proj", e).chunk(2, dim=-1)
-            outs.append(self._project(self.act_fn(gate) * up, "down_proj", e))
+        experts = zip(self._per_expert("gate_up_proj"), self._per_expert("down_proj"), strict=True)
+        for part, (gate_up, down) in zip(torch.split(tokens, counts), experts, strict=True):
+            gate, up = self._project(part, *gate_up).chunk(2, dim=-1)
+            outs.append(self._project(self.act_fn(gate) * up, *down))
         return torch.cat(outs, dim=0)
 
     def forward(

@@ -17,7 +17,7 @@ from torch import nn
 
 from colossal.core import Block, Placement, mark_sharded
 from colossal.shardformer.moe.dispatch import ep_size, moe_apply
-from colossal.shardformer.moe.grouped import grouped_matmul
+from colossal.shardformer.moe.grouped import grouped_ffn
 from colossal.shardformer.moe.routing import TopKRouter
 
 __all__ = ["Experts", "GroupedExperts", "MoeLayer", "local_expert_range"]
@@ -81,13 +81,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Outputs of tokens grouped by local expert (``counts[e]`` rows for expert ``e``)."""
-        hidden = grouped_matmul(tokens, self.w1, counts)
-        if self.gated:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = self.activation(gate) * up
-        else:
-            hidden = self.activation(hidden)
-        return grouped_matmul(hidden, self.w2, counts)
+        return grouped_ffn(tokens, self.w1, self.w2, counts, self.activation, self.gated)
 
 
 class Experts(nn.Module):

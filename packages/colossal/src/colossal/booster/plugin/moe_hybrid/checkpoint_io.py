@@ -6,22 +6,33 @@ a block of its experts (recorded as ``Placement("ep", Block...)``), and its firs
 the rank with ``moe_dp`` coordinate 0. So this rank offers its dense tensors when it is dp
 rank 0, its expert blocks when it is moe_dp rank 0, and the saver gathers every expert into
 the one format every plugin (and ``from_pretrained``) reads; loading reads each held block.
+
+Optimizer states go the same way: :class:`~colossal.zero.MoeLowLevelZeroOptimizer`'s two ZeRO
+parts are renumbered as the wrapped optimizer's parameters, an expert's state placed along
+``ep`` (its block) and ``dp`` (its moe_dp range), gathered from both to its writer.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
-from colossal.core import OptimizerWrapper
-from colossal.zero import is_expert_param
+from colossal.core import OptimizerWrapper, ShardedTensor
+from colossal.zero import (
+    MoeLowLevelZeroOptimizer,
+    is_expert_param,
+    moe_sharded_params,
+    moe_sharded_state_dict,
+)
 
 __all__ = ["MoeCheckpointIO"]
 
 
 class MoeCheckpointIO(HybridCheckpointIO):
-    """Model checkpoints in the one format under ep x dp.
+    """Model and optimizer checkpoints in the one format under ep x dp.
 
     Args:
         dense_writer: Whether this rank is dp rank 0 (it offers the dense tensors).
@@ -52,32 +63,14 @@ class MoeCheckpointIO(HybridCheckpointIO):
             if (self.expert_writer if is_expert_param(value) else self.dense_writer)
         }
 
-    def save_optimizer(
-        self,
-        optimizer: OptimizerWrapper,
-        checkpoint: str,
-        shard: bool = False,
-        size_per_shard: int = 1024,
-        use_async: bool = False,
-        background_snapshot: bool = False,
-    ) -> None:
-        """Not supported yet under MoeHybridParallelPlugin.
+    def optimizer_state(self, optimizer: OptimizerWrapper) -> dict[str, Any]:
+        """Both ZeRO parts' states by the wrapped optimizer's indices (sharded: ``StateRef``)."""
+        if isinstance(optimizer, MoeLowLevelZeroOptimizer):
+            return dict(moe_sharded_state_dict(optimizer))
+        return super().optimizer_state(optimizer)
 
-        Raises:
-            NotImplementedError: always; save the model, or ``optimizer.state_dict()``.
-        """
-        raise NotImplementedError(
-            "MoeHybridParallelPlugin does not save optimizer checkpoints yet; save the model "
-            "(booster.save_model) or torch.save(optimizer.state_dict()) per rank"
-        )
-
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
-        """Not supported yet under MoeHybridParallelPlugin.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "MoeHybridParallelPlugin does not load optimizer checkpoints yet; load the model "
-            "(booster.load_model) or optimizer.load_state_dict(...) per rank"
-        )
+    def optimizer_layout(self, optimizer: OptimizerWrapper) -> dict[int, ShardedTensor]:
+        """Each trainable parameter's part this rank keeps, by the wrapped optimizer's index."""
+        if isinstance(optimizer, MoeLowLevelZeroOptimizer):
+            return dict(moe_sharded_params(optimizer))
+        return super().optimizer_layout(optimizer)

@@ -14,7 +14,7 @@ from colossal.shardformer.policies.base_policy import (
     SubModuleReplacementDescription,
 )
 from colossal.shardformer.policies.lora import lora_policy
-from colossal.shardformer.policies.tp_plan import TPPlanPolicy
+from colossal.shardformer.policies.tp_plan import TPPlanPolicy, model_tp_plan
 
 __all__ = [
     "ModulePolicyDescription",
@@ -23,4 +23,5 @@ __all__ = [
     "TPPlanPolicy",
     "get_autopolicy",
     "lora_policy",
+    "model_tp_plan",
 ]

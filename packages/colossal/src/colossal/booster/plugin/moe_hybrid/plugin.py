@@ -1,17 +1,25 @@
-"""MoeHybridParallelPlugin: expert parallelism inside data parallelism, ZeRO over moe_dp.
+"""MoeHybridParallelPlugin: expert parallelism inside data parallelism, with TP, PP and LoRA.
 
 ColossalAI's plugin for Mixtral / DeepSeek / Qwen-MoE. The ranks are laid out by
-:class:`~colossal.core.ParallelDims` with ``ep``: dp is split into ``ep`` (consecutive ranks
-by default, ``moe_dp_outside=True``) x ``moe_dp = dp / ep``. Each rank holds ``E / ep`` experts
-(a Hugging Face model's fused experts are replaced by
+:class:`~colossal.core.ParallelDims` with ``ep``: dp (``world / (tp * pp)``) is split into
+``ep`` (consecutive ranks by default, ``moe_dp_outside=True``) x ``moe_dp = dp / ep``. Each
+rank holds ``E / ep`` experts (a Hugging Face model's fused experts are replaced by
 ``colossal.shardformer.moe.apply_expert_parallel``; a model whose expert parameters already
 carry ``"ep"`` placements is used as it is), and the optimizer is
 :class:`~colossal.zero.MoeLowLevelZeroOptimizer`: dense parameters ZeRO-sharded and averaged
-over dp, experts over moe_dp, one gradient norm. The rest (precision, loss scaling, clipping,
+over dp, experts over moe_dp, one gradient norm.
+
+With ``tp_size > 1`` or ``pp_size > 1`` the dense layers go through
+:class:`HybridParallelPlugin`'s Shardformer path (the model's ``base_model_tp_plan`` or
+``custom_policy``; the 1F1B schedule, ``execute_pipeline``): the experts are left out of the
+tensor-parallel plan (every tp rank holds the same experts, recorded as replicated over tp, so
+the norm and checkpoints count them once) and each stage's experts are expert-parallel over
+the ep ranks of that stage. ``Booster.enable_lora`` puts peft adapters on the dense layers;
+the base weights, experts included, stay frozen. The rest (precision, loss scaling, clipping,
 bucket sizes, checkpoint format) is :class:`HybridParallelPlugin`'s.
 
-Not yet: tensor, pipeline or sequence parallelism together with experts
-(``NotImplementedError`` naming the argument), LoRA, optimizer checkpoints.
+Not supported (``NotImplementedError`` naming the argument): sequence parallelism, the grid
+tensor-parallel modes, interleaved and ZB-V pipelines.
 """
 
 from __future__ import annotations
@@ -30,11 +38,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import Boosted, Criterion, materialize_model
-from colossal.booster.plugin.hybrid.lora import peft_parts
-from colossal.booster.plugin.hybrid.model import HybridParallelModel
+from colossal.booster.plugin.hybrid.lora import peft_parts, prefixed_aliases
+from colossal.booster.plugin.hybrid.model import HybridParallelModel, mark_tied
 from colossal.booster.plugin.hybrid.plugin import HybridParallelPlugin
 from colossal.booster.plugin.moe_hybrid.checkpoint_io import MoeCheckpointIO
-from colossal.booster.plugin.sharding import first_names, repoint_by_alias
+from colossal.booster.plugin.moe_hybrid.layout import drop_expert_tp_plan, mark_experts_replicated
+from colossal.booster.plugin.sharding import first_names, repoint_by_alias, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import OptimizerWrapper, get_accelerator, shard_spec, warn_once
 from colossal.core.comm import group_ranks
@@ -48,12 +57,12 @@ _ColossalAIOnly = ("overlap_p2p", "use_fp8", "fp8_communication", "force_overlap
 
 
 class MoeHybridParallelPlugin(HybridParallelPlugin):
-    """Expert parallelism (``ep_size``) x data parallelism, with ZeRO-1/2 over moe_dp.
+    """Expert parallelism (``ep_size``) x data parallelism (ZeRO-1/2 over moe_dp) x TP x PP.
 
     Args:
-        tp_size: Tensor-parallel size; only 1 (larger raises ``NotImplementedError``).
-        pp_size: Pipeline stages; only 1 (larger raises ``NotImplementedError``).
-        ep_size: Expert-parallel size: must divide ``dp = world / (tp * pp * sp)``; each rank
+        tp_size: Tensor-parallel size of the dense layers (experts are replicated over tp).
+        pp_size: Pipeline stages (1F1B; needs ``num_microbatches`` or ``microbatch_size``).
+        ep_size: Expert-parallel size: must divide ``dp = world / (tp * pp)``; each rank
             holds ``E / ep_size`` experts.
         sp_size: Sequence-parallel size; only None or 1.
         precision: ``"fp16"`` (dynamic loss scaling), ``"bf16"`` or ``"fp32"``.
@@ -62,16 +71,19 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             tokens cannot hang it.
         moe_dp_outside: ColossalAI's layout: ``True`` puts the ep ranks of a group next to each
             other (moe_dp outer); ``False`` the other way round.
-        num_microbatches: Accepted for ColossalAI's signature (pipelines only).
+        num_microbatches: Microbatches per batch under a pipeline.
         **hybrid_options: Any other :class:`HybridParallelPlugin` keyword (``max_norm``,
             ``initial_scale``, ``zero_bucket_size_in_m``, ``overlap_communication``, ...), and
             ColossalAI's ``overlap_p2p``, ``use_fp8``, ``fp8_communication``,
             ``force_overlap_comm`` (accepted; no effect).
 
     Raises:
-        ValueError: ``ep_size`` does not divide dp (the message names the sizes).
-        NotImplementedError: ``tp_size``, ``pp_size``, ``sp_size`` or sequence parallelism
-            together with this plugin.
+        ValueError: ``ep_size`` does not divide dp, or what :class:`HybridParallelPlugin`
+            refuses (sizes not dividing the world, ZeRO-2 with a pipeline); the message names
+            the sizes.
+        NotImplementedError: ``sp_size > 1``, ``enable_sequence_parallelism``, a grid
+            ``tensor_parallel_mode``, ``pp_style`` other than ``"1f1b"`` or several model
+            chunks.
     """
 
     def __init__(
@@ -86,25 +98,14 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         num_microbatches: int | None = None,
         **hybrid_options: object,
     ) -> None:
-        for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("sp_size", sp_size)):
-            if value not in (None, 1):
-                raise NotImplementedError(
-                    f"MoeHybridParallelPlugin({name}={value!r}) is not supported yet: experts "
-                    f"run with ep x dp only; set {name}=1 (or use HybridParallelPlugin for a "
-                    "dense model)"
-                )
-        if hybrid_options.get("enable_sequence_parallelism"):
-            raise NotImplementedError(
-                "MoeHybridParallelPlugin(enable_sequence_parallelism=True) is not supported "
-                "yet; leave it False"
-            )
+        _refuse_unsupported(sp_size, hybrid_options)
         ignored = [k for k in _ColossalAIOnly if hybrid_options.pop(k, None)]
         if ignored:
             warn_once(logger, f"MoeHybridParallelPlugin: {', '.join(ignored)} has no effect here")
         options = cast(dict[str, Any], hybrid_options)
         super().__init__(
-            1,
-            1,
+            tp_size,
+            pp_size,
             sp_size,
             precision=precision,
             zero_stage=zero_stage,
@@ -133,8 +134,12 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         return self.parallel_dims.moe_dp
 
     def support_lora(self) -> bool:
-        """False: adapters on expert-parallel models are not supported yet."""
-        return False
+        """True: peft adapters on the dense layers; the base weights (experts too) are frozen.
+
+        Hugging Face's fused experts are 3-D parameters, not ``nn.Linear`` layers, so peft's
+        ``target_modules`` do not reach them: they stay frozen and expert-parallel.
+        """
+        return True
 
     def support_no_sync(self) -> bool:
         """ZeRO stage 0 and 1."""
@@ -148,21 +153,27 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         dataloader: DataLoader | None = None,
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
-        """Shard the experts over ep, wrap the optimizer in ``MoeLowLevelZeroOptimizer``.
+        """Shard the experts over ep, the rest as :class:`HybridParallelPlugin` does.
+
+        The experts are replaced first (``apply_expert_parallel``, on the model inside a
+        ``PeftModel``); under tensor or pipeline parallelism (or LoRA) Shardformer then splits
+        the dense layers and cuts this rank's stage, with the experts left out of the
+        tensor-parallel plan and recorded as replicated over tp. The optimizer is wrapped in
+        ``MoeLowLevelZeroOptimizer`` (told the tp and pp groups: one gradient norm).
 
         Raises:
-            NotImplementedError: A LoRA model, or a model without expert-parallel
-                parameters that ``apply_expert_parallel`` cannot shard (``ep_size > 1``).
-            ValueError: Expert parameters placed along an ep group other than the plugin's.
+            NotImplementedError: A model without expert-parallel parameters that
+                ``apply_expert_parallel`` cannot shard (``ep_size > 1``).
+            ValueError: Expert parameters placed along an ep group other than the plugin's,
+                or head counts the tensor-parallel size does not divide.
         """
         materialize_model(model, optimizer)
-        if peft_parts(model)[1] is not None:
-            raise NotImplementedError("MoeHybridParallelPlugin does not support LoRA yet")
+        inner, peft_model, prefix = peft_parts(model)
         dtype = self.precision_dtype
         model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
         group_names = _group_names(optimizer, model)
         if not any(is_expert_param(p) for p in model.parameters()) and self.ep_size > 1:
-            _apply_expert_parallel(model, self.ep_group)
+            _apply_expert_parallel(inner, self.ep_group)
         self._check_expert_group(model)
         if optimizer is not None:
             before = [len(g["params"]) for g in optimizer.param_groups]
@@ -174,13 +185,17 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                     "experts were replaced: the expert-parallel modules must keep the "
                     "parameter names"
                 )
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self._checkpoint_io.set_aliases(list(aliases.values()))
+        if self.tp_size == 1 and self.pp_size == 1 and peft_model is None:
+            module: nn.Module = model
+            aliases: dict[int, list[str]] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(p), []).append(name)
+            self._checkpoint_io.set_aliases(list(aliases.values()))
+        else:
+            module = self._shard(inner, optimizer, peft_model is not None, prefix)
         zero = None
         if optimizer is not None:
-            names = first_names(optimizer, model)
+            names = first_names(optimizer, module)
             zero = MoeLowLevelZeroOptimizer(
                 optimizer,
                 moe_dp_process_group=self.moe_dp_group,
@@ -188,12 +203,46 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                 ep_size=self.ep_size,
                 scaler_config=self.scaler_config,
                 verbose=self.verbose,
+                tp_process_group=self.tp_group if self.tp_size > 1 else None,
+                pp_process_group=self.pp_group if self.pp_size > 1 else None,
                 **dataclasses.asdict(self.zero_config),
             )
             zero.set_param_names(names)
             self._checkpoint_io.optimizers.extend(zero.parts)
-        wrapped = HybridParallelModel(model, dtype, pipelined=False)
+        wrapped = HybridParallelModel(module, dtype, pipelined=self.stage_manager is not None)
+        if peft_model is not None:
+            wrapped.lora_source = self._lora_source(peft_model, module, prefix)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler)
+
+    def _shard(
+        self, inner: nn.Module, optimizer: Optimizer | None, lora: bool, prefix: str
+    ) -> nn.Module:
+        """Shardformer's tensor-parallel split and pipeline stage of the expert-parallel model.
+
+        Returns:
+            This rank's module (its stage under a pipeline).
+        """
+        from colossal.shardformer import ShardConfig
+
+        shard_config = ShardConfig(
+            tensor_parallel_process_group=self.tp_group,
+            pipeline_stage_manager=self.stage_manager,
+            enable_tensor_parallelism=self.tp_size > 1,
+            **self.shard_options.shard_config_kwargs(),
+        )
+        policy = self.custom_policy
+        if policy is None and self.tp_size > 1:
+            drop_expert_tp_plan(inner)
+        if lora:
+            policy = self._lora_policy(inner, policy)
+        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
+        self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
+        if self.stage_manager is not None:
+            self.schedule = self._schedule(self.stage_manager, shared)
+            mark_tied(self.schedule.shared_params.pairs())
+        if self.tp_size > 1:
+            mark_experts_replicated(module, self.tp_group)
+        return module
 
     def _check_expert_group(self, model: nn.Module) -> None:
         want = group_ranks(self.ep_group)
@@ -230,6 +279,27 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         if not isinstance(optimizer, MoeLowLevelZeroOptimizer):
             raise TypeError("no_sync needs the optimizer returned by boost()")
         return optimizer.no_sync()
+
+
+def _refuse_unsupported(sp_size: int | None, options: dict[str, object]) -> None:
+    """``NotImplementedError`` naming an option this plugin does not run with experts."""
+    if sp_size not in (None, 1):
+        raise NotImplementedError(
+            f"MoeHybridParallelPlugin(sp_size={sp_size!r}) is not supported: the experts do "
+            "not follow a sequence split; set sp_size=1"
+        )
+    refused = {
+        "enable_sequence_parallelism": (False, "leave it False"),
+        "tensor_parallel_mode": ("1d", "the grid modes have no expert layers; use '1d'"),
+        "pp_style": ("1f1b", "only the 1F1B schedule runs with experts; use '1f1b'"),
+        "num_model_chunks": (1, "one model chunk per stage (1F1B); use 1"),
+    }
+    for name, (default, fix) in refused.items():
+        value = options.get(name, default)
+        if value != default:
+            raise NotImplementedError(
+                f"MoeHybridParallelPlugin({name}={value!r}) is not supported: {fix}"
+            )
 
 
 def _group_names(optimizer: Optimizer | None, model: nn.Module) -> list[list[list[str]]]:

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -200,6 +201,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                 optimizer,
                 moe_dp_process_group=self.moe_dp_group,
                 dp_process_group=self.dp_group,
+                is_expert=_trainable_expert,
                 ep_size=self.ep_size,
                 scaler_config=self.scaler_config,
                 verbose=self.verbose,
@@ -279,6 +281,11 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         if not isinstance(optimizer, MoeLowLevelZeroOptimizer):
             raise TypeError("no_sync needs the optimizer returned by boost()")
         return optimizer.no_sync()
+
+
+def _trainable_expert(param: torch.Tensor) -> bool:
+    """An expert parameter that trains (frozen ones, LoRA's base experts, need no ZeRO part)."""
+    return param.requires_grad and is_expert_param(param)
 
 
 def _refuse_unsupported(sp_size: int | None, options: dict[str, object]) -> None:

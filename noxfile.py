@@ -230,12 +230,22 @@ def _session_env(session: nox.Session, constraints: Path = CONSTRAINTS) -> None:
     session.env["PIP_CONSTRAINT"] = str(constraints)
     session.env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     session.env["PIP_NO_INPUT"] = "1"
-    session.env["PYTHONDONTWRITEBYTECODE"] = "1"  # keep the source tree free of __pycache__
+    # pip installs without byte-compiling (--no-compile, _install): torch and transformers
+    # ship thousands of modules a test run never imports. Python compiles what is imported,
+    # once per session, into this prefix (never into the source tree), and every later
+    # process of the session (the distributed tests' ranks) reads it from there.
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: unset, whatever the caller exported
+    session.env["PYTHONPYCACHEPREFIX"] = str(_work_dir(session, "pycache"))
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """``pip install`` into the session, without byte-compiling (see ``_session_env``)."""
+    session.install("--no-compile", *args)
 
 
 def _install_torch(session: nox.Session) -> None:
     """Install the pinned torch before anything else can pull in another build."""
-    session.install("-c", str(CONSTRAINTS), "--only-binary", "torch", TORCH)
+    _install(session, "-c", str(CONSTRAINTS), "--only-binary", "torch", TORCH)
     session.run(
         "python",
         "-c",
@@ -250,7 +260,7 @@ def _build_wheels(
     """Build one wheel per distribution into the session's temp dir; returns dist -> wheel."""
     packages = discover_packages()
     build_requires = sorted({r for d in dists for r in packages[d].build_requires})
-    session.install("-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *build_requires)
+    _install(session, "-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *build_requires)
     wheel_dir = _work_dir(session, "wheels")
     session.run(
         "python",
@@ -294,7 +304,7 @@ def _install_wheels(
     for dist, wheel in sorted(wheels.items()):
         extras = sorted(sibling_extras.get(dist, ()))
         args.append(f"{wheel}[{','.join(extras)}]" if extras else str(wheel))
-    session.install("-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *args, *others, "pytest")
+    _install(session, "-c", str(constraints), "-c", str(DEV_REQUIREMENTS), *args, *others, "pytest")
 
 
 def _check_imports(session: nox.Session, modules: list[str], forbidden: tuple[str, ...]) -> None:
@@ -382,7 +392,7 @@ def _collected_no_tests(junit: Path) -> bool:
 def lint(session: nox.Session) -> None:
     """Ruff over the whole repository (config in the root pyproject.toml)."""
     _session_env(session)
-    session.install("-c", str(DEV_REQUIREMENTS), "ruff")
+    _install(session, "-c", str(DEV_REQUIREMENTS), "ruff")
     session.run("ruff", "--version")
     session.run("ruff", "check", str(REPO), *session.posargs)
 
@@ -391,7 +401,7 @@ def lint(session: nox.Session) -> None:
 def layering(session: nox.Session) -> None:
     """The import layering check (DESIGN.md table), the ``Any`` count and the tools' tests."""
     _session_env(session)
-    session.install("-c", str(DEV_REQUIREMENTS), "pytest")
+    _install(session, "-c", str(DEV_REQUIREMENTS), "pytest")
     session.run("python", str(REPO / "tools" / "check_layering.py"), "--root", str(REPO))
     session.run(
         "python",
@@ -424,7 +434,7 @@ def typecheck(session: nox.Session) -> None:
         {str(r) for p in packages.values() for r in p.dependencies if not _is_sibling(r)}
     )
     # pytest: colossal.core.testing's pytest support imports it (typed inline).
-    session.install("-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), "mypy", "pytest",
+    _install(session, "-c", str(CONSTRAINTS), "-c", str(DEV_REQUIREMENTS), "mypy", "pytest",
                     *third_party)
     session.run("mypy", "--version")
     junit = _junit_path("typecheck")
@@ -470,7 +480,7 @@ def integration(session: nox.Session) -> None:
     _install_wheels(session, wheels, test_requirements)
     requirements_txt = INTEGRATION_DIR / "requirements.txt"
     if requirements_txt.is_file():
-        session.install("-c", str(CONSTRAINTS), "-r", str(requirements_txt))
+        _install(session, "-c", str(CONSTRAINTS), "-r", str(requirements_txt))
     session.run("python", "-m", "pip", "check")
     modules = sorted({m for p in packages.values() for m in p.import_names})
     _check_imports(session, modules, ())

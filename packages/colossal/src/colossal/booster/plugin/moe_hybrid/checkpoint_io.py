@@ -14,10 +14,9 @@ parts are renumbered as the wrapped optimizer's parameters, an expert's state pl
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+from torch.optim.optimizer import StateDict
 
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
 from colossal.core import OptimizerWrapper, ShardedTensor
@@ -63,7 +62,7 @@ class MoeCheckpointIO(HybridCheckpointIO):
             if (self.expert_writer if is_expert_param(value) else self.dense_writer)
         }
 
-    def optimizer_state(self, optimizer: OptimizerWrapper) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: OptimizerWrapper) -> StateDict:
         """Both ZeRO parts' states by the wrapped optimizer's indices (sharded: ``StateRef``)."""
         if isinstance(optimizer, MoeLowLevelZeroOptimizer):
             return dict(moe_sharded_state_dict(optimizer))

@@ -6,7 +6,9 @@ of a tensor-parallel group holds the same experts, runs them on the same tokens 
 same gradients. So the TP plan's entries for the experts (``packed_colwise`` /
 ``moe_tp_experts`` in transformers 5) are dropped, and each expert parameter's placement
 record gains ``Placement("tp", Replicate(), tp_group)`` in front: the one gradient norm and
-the checkpoint IO then count every expert element once.
+the checkpoint IO then count every expert element once. At ``ep_size == 1`` Hugging Face's
+experts stay as they are (unmarked: replicated over tp like any parameter without a record),
+and are only kept out of the plan.
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ __all__ = ["drop_expert_tp_plan", "expert_module_names", "mark_experts_replicate
 
 
 def expert_module_names(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that directly hold expert parameters."""
-    return [
+    """Qualified names of ``model``'s experts modules.
+
+    Those holding expert-parallel parameters, and (``ep_size == 1``: left as they are, every
+    expert on every rank) Hugging Face's fused experts modules.
+    """
+    from colossal.shardformer.moe import find_hf_experts
+
+    names = [
         name
         for name, module in model.named_modules()
         if any(is_expert_param(p) for p in module.parameters(recurse=False))
     ]
+    try:
+        names += [name for name, _ in find_hf_experts(model) if name not in names]
+    except ValueError:  # a dense model, or experts of a layout the TP plan then refuses
+        pass
+    return names
 
 
 def _under(key: str, module: str) -> bool:

@@ -19,7 +19,8 @@ the base weights, experts included, stay frozen. The rest (precision, loss scali
 bucket sizes, checkpoint format) is :class:`HybridParallelPlugin`'s.
 
 Not supported (``NotImplementedError`` naming the argument): sequence parallelism, the grid
-tensor-parallel modes, interleaved and ZB-V pipelines.
+tensor-parallel modes, interleaved and ZB-V pipelines, and optimizer checkpoints under tensor
+or pipeline parallelism (model checkpoints work in every layout).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from colossal.booster.plugin.hybrid.lora import peft_parts, prefixed_aliases
 from colossal.booster.plugin.hybrid.model import HybridParallelModel, mark_tied
 from colossal.booster.plugin.hybrid.plugin import HybridParallelPlugin
 from colossal.booster.plugin.moe_hybrid.checkpoint_io import MoeCheckpointIO
+from colossal.booster.plugin.moe_hybrid.layered_io import MoeLayeredCheckpointIO
 from colossal.booster.plugin.moe_hybrid.layout import drop_expert_tp_plan, mark_experts_replicated
 from colossal.booster.plugin.sharding import first_names, repoint_by_alias, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
@@ -120,9 +122,11 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         # Collective: every rank asks for the same groups in the same order.
         self.ep_group = dims.group("ep")
         self.moe_dp_group = dims.group("moe_dp")
-        self._checkpoint_io = MoeCheckpointIO(
-            dims.coordinate("dp") == 0, dims.coordinate("moe_dp") == 0
-        )
+        writers = (dims.coordinate("dp") == 0, dims.coordinate("moe_dp") == 0)
+        if tp_size == 1 and pp_size == 1:
+            self._checkpoint_io = MoeCheckpointIO(*writers)
+        else:  # model checkpoints only (optimizer ones refused before any communication)
+            self._checkpoint_io = MoeLayeredCheckpointIO(*writers, (tp_size, pp_size))
 
     @property
     def ep_size(self) -> int:

@@ -64,6 +64,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
 
     Args:
         tp_size: Tensor-parallel size of the dense layers (experts are replicated over tp).
+            With ``tp_size > 1`` or ``pp_size > 1`` optimizer checkpoints are refused
+            (``NotImplementedError``); model checkpoints work.
         pp_size: Pipeline stages (1F1B; needs ``num_microbatches`` or ``microbatch_size``).
         ep_size: Expert-parallel size: must divide ``dp = world / (tp * pp)``; each rank
             holds ``E / ep_size`` experts.

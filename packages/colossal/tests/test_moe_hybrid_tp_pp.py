@@ -86,27 +86,48 @@ def _train_and_check(rank: int, **plugin_kwargs: Any) -> Booster:
             assert spec is not None and spec.axis("tp") is not None, name  # replicated over tp
     # pp: one layer per stage (gate_up_proj, down_proj); tp: both layers' on every rank
     assert experts == (2 if plugin.pp_size > 1 else 4), (what, experts)
-    _check_checkpoint(rank, booster, boosted, whole, MixtralForCausalLM)
-    layout = f"tp_size={plugin.tp_size}, pp_size={plugin.pp_size}"
-    for call in (booster.save_optimizer, booster.load_optimizer):  # would hang: refused
-        with pytest.raises(NotImplementedError, match=layout):
-            call(optimizer, tempfile.gettempdir())
+    _check_checkpoint(rank, booster, boosted, optimizer, whole, MixtralForCausalLM)
     return booster
 
 
 def _check_checkpoint(
-    rank: int, booster: Booster, boosted: Any, whole: dict[str, torch.Tensor], cls: Any
+    rank: int,
+    booster: Booster,
+    boosted: Any,
+    optimizer: Any,
+    whole: dict[str, torch.Tensor],
+    cls: Any,
 ) -> None:
-    """The saved model (every expert of every stage, tp parts joined) loads with from_pretrained."""
+    """The saved model (every expert of every stage, tp parts joined) loads with
+    from_pretrained, and model plus optimizer loaded at ep 2 x moe_dp 2 (no tp, no pp)
+    continue the one-process run for one more step."""
+    from colossal.booster.plugin import MoeHybridParallelPlugin
+
     root = all_gather_object(tempfile.mkdtemp(prefix="moe_tp_pp_") if rank == 0 else None)[0]
     assert root is not None
     try:
         booster.save_model(boosted, f"{root}/model", shard=True)
+        booster.save_optimizer(optimizer, f"{root}/optim", shard=True, size_per_shard=1)
         dist.barrier()
         loaded = dict(cls.from_pretrained(f"{root}/model").named_parameters())
         assert sorted(loaded) == sorted(whole)
         for name, q in whole.items():
             assert_rel_close(loaded[name].detach(), q.detach(), RTOL, f"from_pretrained {name}")
+        *_, ref = reference(mixtral, STEPS + 1, adamw)
+        plugin = MoeHybridParallelPlugin(ep_size=2, precision="fp32", max_norm=MAX_NORM)
+        other = Booster(plugin=plugin)
+        fresh = mixtral()
+        model, opt, *_ = other.boost(fresh, adamw(fresh))
+        other.load_model(model, f"{root}/model")
+        other.load_optimizer(opt, f"{root}/optim")
+        opt.zero_grad()
+        other.backward(model(**rows(batch(STEPS), rank, 4)).loss, opt)
+        opt.step()
+        opt.wait_params()
+        after = dict(ref.named_parameters())
+        for name, p in model.unwrap().named_parameters():
+            want = expected_part(p, after[name].detach(), plugin.ep_group)
+            assert_rel_close(p.detach(), want, RTOL, f"continued at ep 2 {name}")
     finally:
         dist.barrier()
         if rank == 0:
@@ -119,8 +140,9 @@ def test_tp2_ep2_matches_single_process_and_from_pretrained(rank: int, world_siz
     half the experts' features per rank), experts not expert-parallel inside dp, expert
     gradients not divided by ep or averaged over tp, experts counted tp times in the clipped
     norm (no tp record), the dense layers not split or their gradients wrong, a checkpoint
-    missing an ep rank's experts or a tp part, and an optimizer checkpoint (not supported
-    with tp or pp yet) started instead of refused."""
+    missing an ep rank's experts or a tp part, and optimizer states saved under tp x ep
+    that do not continue the run at ep 2 x moe_dp 2 (an expert's or a tp part's states
+    missing: Adam restarts, a first-step update of ``lr``)."""
     _train_and_check(rank, tp_size=2, ep_size=2, zero_stage=1)
 
 

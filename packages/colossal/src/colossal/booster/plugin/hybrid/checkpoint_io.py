@@ -15,7 +15,7 @@ by axis to their writer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from colossal.checkpoint_io.sharded import marked_state_dict
 from colossal.checkpoint_io.template import unwrap_model
 from colossal.core import Block, LocalShard, Nested, OptimizerWrapper, shard_spec
 from colossal.core.comm import all_gather_object
-from colossal.zero import LowLevelZeroOptimizer, sharded_params
+from colossal.zero import LowLevelZeroOptimizer, StateRef, sharded_params
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
             )
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
         local, meta = indexed_to_named(self.optimizer_state(optimizer), names)
-        refs = sharded_params(_zero_optimizer(optimizer))
+        refs = self.zero_refs(optimizer)
         params = {names[i]: ref.slot.param for i, ref in refs.items()}
         stage = self.stage
         mine = []
@@ -193,6 +193,14 @@ class HybridCheckpointIO(ZeroCheckpointIO):
             size_per_shard if shard else float("inf"), extra=merge_meta(meta, shapes),
             gather=self.to_full,
         )
+
+    def zero_refs(self, optimizer: OptimizerWrapper) -> Mapping[int, StateRef]:
+        """Each trainable parameter (by optimizer index) as the ZeRO part this rank keeps.
+
+        Raises:
+            TypeError: ``optimizer`` is not the ZeRO optimizer ``boost`` returned.
+        """
+        return sharded_params(_zero_optimizer(optimizer))
 
     @staticmethod
     def _by_stage(gathered: Sequence[tuple[int, Any]]) -> list[Any]:
@@ -217,7 +225,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
         reader = TensorReader(directory, index["weight_map"])
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
-        refs = sharded_params(_zero_optimizer(optimizer))
+        refs = self.zero_refs(optimizer)
         check_optimizer_fits(index, reader.shape,
                              {names[i]: tuple(_shape(r.slot.param)) for i, r in refs.items()})
         position = {n: i for i, n in enumerate(names)}

@@ -14,7 +14,10 @@ parts are renumbered as the wrapped optimizer's parameters, an expert's state pl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import StateDict
 
@@ -22,6 +25,7 @@ from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
 from colossal.core import OptimizerWrapper, ShardedTensor
 from colossal.zero import (
     MoeLowLevelZeroOptimizer,
+    StateRef,
     is_expert_param,
     moe_sharded_params,
     moe_sharded_state_dict,
@@ -31,15 +35,23 @@ __all__ = ["MoeCheckpointIO"]
 
 
 class MoeCheckpointIO(HybridCheckpointIO):
-    """Model and optimizer checkpoints in the one format under ep x dp.
+    """Model and optimizer checkpoints in the one format under ep x dp (x tp x pp).
 
     Args:
         dense_writer: Whether this rank is dp rank 0 (it offers the dense tensors).
         expert_writer: Whether this rank is moe_dp rank 0 (it offers its experts' blocks).
+        layout: ``(tp_size, pp_size)``.
+        pp_group: The pipeline group (None without pipeline parallelism).
     """
 
-    def __init__(self, dense_writer: bool, expert_writer: bool) -> None:
-        super().__init__(True, (1, 1), None)
+    def __init__(
+        self,
+        dense_writer: bool,
+        expert_writer: bool,
+        layout: tuple[int, int] = (1, 1),
+        pp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(True, layout, pp_group)
         self.dense_writer = dense_writer
         self.expert_writer = expert_writer
         self._saving = False
@@ -73,3 +85,9 @@ class MoeCheckpointIO(HybridCheckpointIO):
         if isinstance(optimizer, MoeLowLevelZeroOptimizer):
             return dict(moe_sharded_params(optimizer))
         return super().optimizer_layout(optimizer)
+
+    def zero_refs(self, optimizer: OptimizerWrapper) -> Mapping[int, StateRef]:
+        """Both ZeRO parts' kept ranges, by the wrapped optimizer's index."""
+        if isinstance(optimizer, MoeLowLevelZeroOptimizer):
+            return moe_sharded_params(optimizer)
+        return super().zero_refs(optimizer)

@@ -19,8 +19,8 @@ the base weights, experts included, stay frozen. The rest (precision, loss scali
 bucket sizes, checkpoint format) is :class:`HybridParallelPlugin`'s.
 
 Not supported (``NotImplementedError`` naming the argument): sequence parallelism, the grid
-tensor-parallel modes, interleaved and ZB-V pipelines, and optimizer checkpoints under tensor
-or pipeline parallelism (model checkpoints work in every layout).
+tensor-parallel modes, interleaved and ZB-V pipelines. Model and optimizer checkpoints work in
+every layout.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from colossal.booster.plugin.hybrid.lora import peft_parts, prefixed_aliases
 from colossal.booster.plugin.hybrid.model import HybridParallelModel, mark_tied
 from colossal.booster.plugin.hybrid.plugin import HybridParallelPlugin
 from colossal.booster.plugin.moe_hybrid.checkpoint_io import MoeCheckpointIO
-from colossal.booster.plugin.moe_hybrid.layered_io import MoeLayeredCheckpointIO
 from colossal.booster.plugin.moe_hybrid.layout import drop_expert_tp_plan, mark_experts_replicated
 from colossal.booster.plugin.sharding import first_names, repoint_by_alias, shard_and_repoint
 from colossal.checkpoint_io import CheckpointIO
@@ -64,8 +63,6 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
 
     Args:
         tp_size: Tensor-parallel size of the dense layers (experts are replicated over tp).
-            With ``tp_size > 1`` or ``pp_size > 1`` optimizer checkpoints are refused
-            (``NotImplementedError``); model checkpoints work.
         pp_size: Pipeline stages (1F1B; needs ``num_microbatches`` or ``microbatch_size``).
         ep_size: Expert-parallel size: must divide ``dp = world / (tp * pp)``; each rank
             holds ``E / ep_size`` experts.
@@ -125,10 +122,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         self.ep_group = dims.group("ep")
         self.moe_dp_group = dims.group("moe_dp")
         writers = (dims.coordinate("dp") == 0, dims.coordinate("moe_dp") == 0)
-        if tp_size == 1 and pp_size == 1:
-            self._checkpoint_io = MoeCheckpointIO(*writers)
-        else:  # model checkpoints only (optimizer ones refused before any communication)
-            self._checkpoint_io = MoeLayeredCheckpointIO(*writers, (tp_size, pp_size))
+        pp_group = self.pp_group if pp_size > 1 else None
+        self._checkpoint_io = MoeCheckpointIO(*writers, (tp_size, pp_size), pp_group)
 
     @property
     def ep_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Every plugin x precision at world 1/2/4 matches the single-process fp32 reference.
+"""Every plugin x precision at world 1 and 4 matches the single-process fp32 reference.
 
 One test case per (plugin, precision, world size); each trains two models (an MLP, and one
 with an ``nn.ModuleList`` so FSDP shards each block as its own unit). fp16 starts from a
@@ -135,7 +135,7 @@ CASES = [(plugin, precision) for plugin, precs in PRECISIONS.items() for precisi
 
 
 @pytest.mark.parametrize(("plugin", "precision"), CASES, ids=[f"{p}-{q}" for p, q in CASES])
-@distributed_test(1, 2, 4)
+@distributed_test(1, 4)  # world 2 left out (CI budget): world 4 splits every layer further
 def test_plugin_matches_reference(rank: int, world_size: int, plugin: str, precision: str) -> None:
     for model_name in MODELS:
         _run(rank, world_size, plugin, precision, model_name)

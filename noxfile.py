@@ -103,6 +103,18 @@ NEWEST_TRANSFORMERS_TESTS: dict[str, tuple[str, ...]] = {
 # 193 = 36 in colossal-{core,kernels,zero,pipeline,gemini,shardformer,cli} (issue 30, from 209)
 # + 36 in the meta-package + 121 in colossal-legacy, as counted when the check was added.
 MAX_PUBLIC_ANY = 98
+# Modules the distributed tests' fork server preloads (those not installed are skipped): the
+# packages and plugins, and the Hugging Face families the tests build.
+TEST_PRELOAD = (
+    *(f"colossal.{p}" for p in ("zero", "pipeline", "gemini", "shardformer", "kernels", "legacy")),
+    *(f"colossal.booster.plugin.{p}.plugin" for p in ("ddp", "zero", "fsdp", "gemini", "hybrid",
+                                                      "moe_hybrid")),
+    "transformers",
+    *(f"transformers.models.{m}.modeling_{m}" for m in (
+        "gpt2", "llama", "bert", "vit", "opt", "bloom", "mixtral", "deepseek_v3", "qwen2",
+        "qwen3", "qwen3_moe", "mistral")),
+    "peft",
+)  # fmt: skip
 # Pytest exit code when it collected no tests.
 PYTEST_NO_TESTS = 5
 
@@ -241,6 +253,9 @@ def _session_env(session: nox.Session, constraints: Path = CONSTRAINTS) -> None:
     # process of the session (the distributed tests' ranks) reads it from there.
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: unset, whatever the caller exported
     session.env["PYTHONPYCACHEPREFIX"] = str(_work_dir(session, "pycache"))
+    # The distributed tests' fork server imports these once (colossal.core.testing.spawn);
+    # each rank would otherwise import them again: seconds per rank, most of a test's time.
+    session.env["COLOSSAL_TEST_PRELOAD"] = ",".join(TEST_PRELOAD)
 
 
 def _install(session: nox.Session, *args: str) -> None:

@@ -92,6 +92,12 @@ def _worker(
         os._exit(1)
 
 
+PRELOAD_ENV = "COLOSSAL_TEST_PRELOAD"
+"""Comma-separated modules the fork server also imports before forking the ranks (e.g. the
+plugins and ``transformers.models.gpt2.modeling_gpt2``: seconds per rank otherwise). Read
+when the fork server starts; a module that is not installed is skipped."""
+
+
 def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """A fork server with torch preloaded: clean processes without re-importing torch each time."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -99,8 +105,10 @@ def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     # symbolic_shapes is imported lazily (and slowly) by the first backward with explicit
     # gradients.
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     ctx.set_forkserver_preload(
         ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "colossal.core"]
+        + extra
     )
     return ctx
 

@@ -215,7 +215,12 @@ CONFIG_ERA: dict[str, Row] = {
     "colossalai.tensor": served("colossal.legacy.tensor", tree=True),
     "colossalai.trainer": served("colossal.legacy.trainer", tree=True),
     "colossalai.utils": served("colossal.legacy.utils", tree=True),
-    "colossalai.utils.model": missing(_LAZY_INIT),
+    "colossalai.utils.model": served(
+        names={"ColoInitContext": "colossal.legacy.tensor:ColoInitContext"},
+    ),
+    "colossalai.utils.model.colo_init_context": served(
+        names={"ColoInitContext": "colossal.legacy.tensor:ColoInitContext"},
+    ),
     "colossalai.zero": served(
         "colossal.legacy.zero",
         names={"GeminiOptimizer": "colossal.gemini:GeminiOptimizer"},

@@ -1,0 +1,36 @@
+"""The seeds' ColoTensor API (``colossalai.tensor``) on torch's ``DTensor``.
+
+* :mod:`.process_group`: :class:`ProcessGroup` (tp inner, dp outer) as a 2-D device mesh.
+* :mod:`.distspec`: :class:`ShardSpec`, :class:`ReplicaSpec`.
+* :mod:`.compute_spec`: :class:`ComputePattern`, :class:`ComputeSpec`.
+* :mod:`.tensor_spec`: :class:`ColoTensorSpec`.
+* :mod:`.colo_tensor`: :class:`ColoTensor`, a thin ``DTensor`` subclass (the design choice is
+  documented there); :mod:`.respec`: in-place relayout recorded by autograd.
+* :mod:`.colo_parameter`: :class:`ColoParameter`; :mod:`.init_context`: :class:`ColoInitContext`.
+
+Not built yet (issue 34's later part): the TP1D operator strategies (row/column-split linear,
+vocab-split embedding), GeminiDDP composition and checkpoints.
+"""
+
+from colossal.legacy.tensor import distspec
+from colossal.legacy.tensor.colo_parameter import ColoParameter
+from colossal.legacy.tensor.colo_tensor import ColoTensor
+from colossal.legacy.tensor.compute_spec import ComputePattern, ComputeSpec
+from colossal.legacy.tensor.distspec import DistPlacementPattern, ReplicaSpec, ShardSpec
+from colossal.legacy.tensor.init_context import ColoInitContext
+from colossal.legacy.tensor.process_group import ProcessGroup
+from colossal.legacy.tensor.tensor_spec import ColoTensorSpec
+
+__all__ = [
+    "ColoInitContext",
+    "ColoParameter",
+    "ColoTensor",
+    "ColoTensorSpec",
+    "ComputePattern",
+    "ComputeSpec",
+    "DistPlacementPattern",
+    "ProcessGroup",
+    "ReplicaSpec",
+    "ShardSpec",
+    "distspec",
+]

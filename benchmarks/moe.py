@@ -15,9 +15,9 @@ target, three ways, in ONE spawned run from the same weights and data:
   ``_functional_collectives.all_to_all_single_autograd``, a loop over the local experts);
 * **dp** -- the same module with every expert on every rank (pure data parallelism);
 * **ours_loop** (diagnostic) -- ours with ColossalAI's ``Experts`` (one SwiGLU module per local
-  expert, run whole on its rows) instead of ``GroupedExperts`` (whose CPU fallback runs each
-  projection as split / matmul per expert / cat, so the ``[N, 2F]`` intermediate and its
-  gradient are concatenated and split once more than in a per-expert loop).
+  expert, run whole on its rows) instead of ``GroupedExperts`` (whose CPU path,
+  ``grouped_ffn``, splits the rows once, runs each expert's block on weights unbound once per
+  step, and concatenates once).
 
 Gradients: the non-expert ones (norms, gates) and, for ``dp``, every one are summed with one
 flat all-reduce and divided by the world; EP expert gradients already hold every rank's

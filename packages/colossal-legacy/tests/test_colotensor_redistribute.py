@@ -8,9 +8,11 @@ returned to_replicate / redistribute_spec, and the in-place set_dist_spec of a t
 graph) must give the same dX on every rank.
 
 Catches: a split that drops or repeats rows of an uneven size, resharding along the wrong dim,
-a to_replicate that returns a local part, an in-place set_dist_spec that loses the autograd
-history (no gradient) or whose backward skips the reverse collective (a part, or a part's
-worth of zeros, instead of W), and payload-less ranks (the fourth rank's 0 rows) breaking.
+a to_replicate that returns a local part, a spec change that cuts the tensor out of the graph
+(no gradient) or whose gradient is a part, or a part's worth of zeros, instead of W, and
+payload-less ranks (the fourth rank's 0 rows) breaking. (The in-place relayout's own reverse
+redistribution is not observable here: DTensor's from_local backward also redistributes the
+gradient to its placements; a mutation dropping it passed.)
 """
 
 from __future__ import annotations

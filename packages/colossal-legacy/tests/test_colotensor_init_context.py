@@ -8,10 +8,14 @@ equal to 1e-6 (the updates are ~1e-2).
 Catches: parameters left as plain tensors or not registered as nn.Parameter (the optimizer
 would not see them), values drawn by DTensor's own generator instead of the module's init
 (different numbers from the serial model), a tie broken into two parameters, gradients that
-differ from the serial ones, and parameters left on the wrong device.
+differ from the serial ones, parameters left on the wrong device, and deepcopy / Module.to
+failing or turning ColoParameters into plain DTensors (torch needs ``detach()`` to keep the
+class).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -63,6 +67,12 @@ def test_colo_init_context_matches_serial_model(rank: int, world_size: int) -> N
         assert isinstance(q, ColoParameter) and isinstance(q, nn.Parameter), name
         assert q.is_leaf and q.requires_grad and q.is_replicate() and q.device.type == "cpu"
         assert torch.equal(q.to_local(), p.detach()), name
+    twin = copy.deepcopy(colo).to("cpu")  # Module.to rebuilds each parameter from detach()
+    assert twin[4].weight is twin[2].weight
+    for name, q in twin.named_parameters():
+        assert isinstance(q, ColoParameter) and isinstance(q, nn.Parameter), name
+        assert torch.equal(q.to_local(), params[name].to_local()), name
+        assert q.to_local().data_ptr() != params[name].to_local().data_ptr(), name
     torch.manual_seed(1)
     x, target = torch.randn(6, 4), torch.randn(6, 8)
     _train(ref, x, target)

@@ -14,6 +14,7 @@ torch's ``Shard`` (``ceil(n / tp)`` rows each, the last ranks fewer).
 
 from __future__ import annotations
 
+import copy
 from typing import TypeVar
 
 import torch
@@ -224,6 +225,32 @@ class ColoTensor(DTensor):
     def to_replicate_(self: T) -> T:
         """Make this tensor replicated in place; returns it."""
         return self.set_dist_spec(ReplicaSpec())
+
+    def detach(self: T) -> T:
+        """A detached alias of the same class (``nn.Parameter`` and ``Module.to`` need it)."""
+        alias = DTensor.detach(self)
+        assert isinstance(alias, DTensor)  # DTensor's dispatch wraps every result
+        return type(self)._adopt(alias, self.process_group, self.compute_spec)
+
+    def __deepcopy__(self: T, memo: dict[int, object]) -> T:
+        """A copy of the payload with the same layout, process group and grad flag."""
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[return-value]
+        with torch.no_grad():
+            dt = DTensor.from_local(
+                self.to_local().clone(),
+                self.device_mesh,
+                self.placements,
+                run_check=False,
+                shape=self.shape,
+                stride=self.stride(),
+            )
+        out = type(self)._adopt(dt, self.process_group, copy.deepcopy(self.compute_spec, memo))
+        out.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (

@@ -18,9 +18,9 @@ import copy
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from colossal.core.comm import all_gather_object
 from colossal.legacy.tensor.compute_spec import ComputeSpec
 from colossal.legacy.tensor.distspec import ReplicaSpec, ShardSpec, _DistSpec
 from colossal.legacy.tensor.placements import placements_of, spec_of
@@ -42,10 +42,7 @@ def _global_shape(local: torch.Tensor, pg: ProcessGroup, dim: int) -> torch.Size
     tp = pg.tp_world_size()
     if tp == 1:
         return local.shape
-    mine = torch.tensor([local.shape[dim]], dtype=torch.int64, device=local.device)
-    sizes = [torch.empty_like(mine) for _ in range(tp)]
-    dist.all_gather(sizes, mine, group=pg.tp_process_group())
-    got = [int(s.item()) for s in sizes]
+    got = [int(n) for n in all_gather_object(int(local.shape[dim]), pg.tp_process_group())]
     total = sum(got)
     chunk = -(-total // tp)
     want = [max(0, min(chunk, total - k * chunk)) for k in range(tp)]

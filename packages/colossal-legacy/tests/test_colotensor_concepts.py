@@ -73,6 +73,8 @@ def _bad_input(rank: int) -> None:
         ProcessGroup(tp_degree=2, dp_degree=3)
     with pytest.raises(ValueError, match=r"tp_degree \(3\) x dp_degree \(1\)"):
         ProcessGroup(tp_degree=3)
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\] must be every rank .*ranks=None"):
+        ProcessGroup(rank=0, ranks=[0, 1], tp_degree=2)
     pg = ProcessGroup(tp_degree=2, dp_degree=2)
     bad = ColoTensorSpec(pg, ShardSpec([0], [4]))
     with pytest.raises(ValueError, match=r"num_partitions=4 .* tp_degree \(2\).*pg.tp_world_size"):

@@ -72,7 +72,8 @@ class ProcessGroup:
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized.
-        ValueError: ``tp_degree * dp_degree != len(ranks)``, or ``rank`` not in ``ranks``.
+        ValueError: ``tp_degree * dp_degree != len(ranks)``, ``rank`` not in ``ranks``, or
+            ``ranks`` not a permutation of the world (part of the world is not supported).
     """
 
     def __init__(
@@ -93,6 +94,12 @@ class ProcessGroup:
             raise ValueError(
                 f"rank {self._rank} is not in ranks {list(self._ranks)}; pass ranks "
                 "that contain this process's rank"
+            )
+        if sorted(self._ranks) != list(range(dist.get_world_size())):
+            raise ValueError(
+                f"ranks {list(self._ranks)} must be every rank of the world once "
+                f"(0..{dist.get_world_size() - 1}): a ProcessGroup over part of the world is not "
+                "supported (its device mesh is created by every rank); leave ranks=None"
             )
         self._tp, self._dp = _degrees(len(self._ranks), tp_degree, dp_degree)
         self.mesh: DeviceMesh = _mesh(self._ranks, self._tp)

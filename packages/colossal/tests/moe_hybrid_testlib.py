@@ -1,4 +1,4 @@
-"""A tiny Mixtral, its batches and the one-process reference for the MoE plugin tests."""
+"""A tiny Mixtral, a tiny MoE net, batches and the one-process reference (MoE plugin tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal.core import sharded_view
+from colossal.shardformer.moe import GroupedExperts, MoeLayer, TopKRouter
 from colossal.zero import is_expert_param
 
 VOCAB, SEQ, ROWS, EXPERTS = 128, 6, 4, 4
@@ -33,6 +34,28 @@ def mixtral() -> nn.Module:
         num_experts_per_tok=2,
     )
     return MixtralForCausalLM(config)
+
+
+NET_HIDDEN, NET_FFN = 8, 12
+
+
+class MoeNet(nn.Module):
+    """``fc_out(h + moe(h))`` with ``h = sigmoid(fc_in(x))``: ``EXPERTS`` gated experts
+    (``GroupedExperts`` over ``ep_group``), top-2 dropless routing, hidden ``NET_HIDDEN``."""
+
+    def __init__(self, ep_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        h = NET_HIDDEN
+        self.fc_in = nn.Linear(h, h)
+        experts = GroupedExperts(EXPERTS, h, NET_FFN, ep_group, gated=True)
+        self.moe = MoeLayer(h, EXPERTS, TopKRouter(2, capacity_factor_train=None), experts)
+        self.fc_out = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The net's output for ``x`` ``[T, NET_HIDDEN]``."""
+        h = torch.sigmoid(self.fc_in(x))  # positive: a forced gate picks the same experts
+        out: torch.Tensor = self.fc_out(h + self.moe(h))
+        return out
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:

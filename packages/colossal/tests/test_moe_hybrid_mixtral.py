@@ -13,6 +13,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from moe_hybrid_testlib import adamw, mixtral
 from torch import nn
 
 from colossal.booster import Booster
@@ -21,28 +22,6 @@ from colossal.core.testing import assert_rel_close, distributed_test
 
 MAX_NORM = 0.05
 RTOL = 1e-5
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _mixtral() -> nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=24,
-        max_position_embeddings=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    return MixtralForCausalLM(config)
 
 
 def _deepseek_v3() -> nn.Module:
@@ -74,7 +53,7 @@ def _deepseek_v3() -> nn.Module:
 
 
 # family -> (build, expert parameters: the fused gate_up_proj and down_proj of each MoE layer)
-_FAMILIES = {"mixtral": (_mixtral, 4), "deepseek_v3": (_deepseek_v3, 2)}
+_FAMILIES = {"mixtral": (mixtral, 4), "deepseek_v3": (_deepseek_v3, 2)}
 
 
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
@@ -100,9 +79,9 @@ def test_hf_moe_ep2_zero2_matches_single_process_and_from_pretrained(
         )
         build, expert_count = _FAMILIES[family]
         ref, model = build(), build()
-        ref_opt = _adamw(ref)
+        ref_opt = adamw(ref)
         booster = Booster(plugin=plugin)
-        boosted, optimizer, *_ = booster.boost(model, _adamw(model))
+        boosted, optimizer, *_ = booster.boost(model, adamw(model))
         experts = [n for n, p in model.named_parameters() if is_expert_param(p)]
         assert len(experts) == expert_count, experts
         ep_rank = dist.get_rank(plugin.ep_group)

@@ -12,31 +12,15 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from moe_hybrid_testlib import EXPERTS, NET_HIDDEN, MoeNet, adamw
 from torch import nn
 
 from colossal.booster import Booster
 from colossal.core.comm import all_gather_object
 from colossal.core.testing import assert_rel_close, distributed_test
-from colossal.shardformer.moe import GroupedExperts, MoeLayer, TopKRouter
 
-H, F, E, T = 8, 12, 4, 6
+H, E, T = NET_HIDDEN, EXPERTS, 6
 RTOL = 1e-5
-
-
-class _Net(nn.Module):
-    def __init__(self, ep_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.fc_in = nn.Linear(H, H)
-        experts = GroupedExperts(E, H, F, ep_group, gated=True)
-        self.moe = MoeLayer(H, E, TopKRouter(2, capacity_factor_train=None), experts)
-        self.fc_out = nn.Linear(H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.moe(torch.sigmoid(self.fc_in(x))))
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +32,13 @@ def _expert_slice(name: str, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return q[lo:hi] if name.startswith("moe.experts.") else q
 
 
-def _boost(plugin: object, lo: int, hi: int, ref: _Net) -> tuple[Booster, nn.Module, object]:
-    model = _Net(getattr(plugin, "ep_group", None) if getattr(plugin, "ep_size", 1) > 1 else None)
+def _boost(plugin: object, lo: int, hi: int, ref: MoeNet) -> tuple[Booster, nn.Module, object]:
+    model = MoeNet(getattr(plugin, "ep_group", None) if getattr(plugin, "ep_size", 1) > 1 else None)
     with torch.no_grad():
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             p.copy_(_expert_slice(name, q, lo, hi))
     booster = Booster(plugin=plugin)  # type: ignore[arg-type]
-    boosted, optimizer, *_ = booster.boost(model, _adamw(model))
+    boosted, optimizer, *_ = booster.boost(model, adamw(model))
     return booster, boosted, optimizer
 
 
@@ -81,8 +65,8 @@ def test_moe_optimizer_states_continue_at_ep4_ep1_and_under_zero(
     assert root is not None
     try:
         torch.manual_seed(0)
-        ref = _Net(None)
-        ref_opt = _adamw(ref)
+        ref = MoeNet(None)
+        ref_opt = adamw(ref)
         plugin = MoeHybridParallelPlugin(ep_size=2, precision="fp32", zero_stage=2)
         ep_rank = dist.get_rank(plugin.ep_group)
         booster, boosted, optimizer = _boost(plugin, ep_rank * 2, ep_rank * 2 + 2, ref)
@@ -105,7 +89,7 @@ def test_moe_optimizer_states_continue_at_ep4_ep1_and_under_zero(
             lo, hi = (rank, rank + 1) if ep == 4 else (0, E)
             torch.manual_seed(7)
             other = make(**kwargs)
-            b, m, o = _boost(other, lo, hi, _Net(None))
+            b, m, o = _boost(other, lo, hi, MoeNet(None))
             b.load_model(m, f"{root}/m")
             b.load_optimizer(o, f"{root}/o")  # type: ignore[arg-type]
             _step(b, m, o, rank, 2)

@@ -13,48 +13,31 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from moe_hybrid_testlib import EXPERTS, NET_HIDDEN, MoeNet, adamw
 from torch import nn
 
 from colossal.booster import Booster
 from colossal.core.comm import all_gather_object
 from colossal.core.testing import assert_rel_close, distributed_test
-from colossal.shardformer.moe import GroupedExperts, MoeLayer, TopKRouter
 
-H, F, E, T, STEPS = 8, 12, 4, 6, 3
+H, E, T, STEPS = NET_HIDDEN, EXPERTS, 6, 3
 MAX_NORM = 0.05
 RTOL = 1e-5
 
 
-class _Net(nn.Module):
-    def __init__(self, ep_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.fc_in = nn.Linear(H, H)
-        experts = GroupedExperts(E, H, F, ep_group, gated=True)
-        self.moe = MoeLayer(H, E, TopKRouter(2, capacity_factor_train=None), experts)
-        self.fc_out = nn.Linear(H, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.sigmoid(self.fc_in(x))  # positive: a forced gate picks the same experts
-        return self.fc_out(h + self.moe(h))
-
-
-def _reference(forced: bool) -> _Net:
+def _reference(forced: bool) -> MoeNet:
     torch.manual_seed(0)
-    ref = _Net(None)
+    ref = MoeNet(None)
     if forced:  # every token picks experts 0 and 1: ep rank 1's experts get no token
         with torch.no_grad():
             ref.moe.gate_weight.copy_(torch.tensor([[4.0], [2.0], [-4.0], [-4.0]]).expand(E, H))
     return ref
 
 
-def _copy_into(model: _Net, ref: _Net, lo: int, hi: int) -> None:
+def _copy_into(model: MoeNet, ref: MoeNet, lo: int, hi: int) -> None:
     with torch.no_grad():
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             p.copy_(q[lo:hi] if name.startswith("moe.experts.") else q)
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _train(rank: int, stage: int, forced: bool, outside: bool, root: str) -> None:
@@ -71,11 +54,11 @@ def _train(rank: int, stage: int, forced: bool, outside: bool, root: str) -> Non
     ep_rank = dist.get_rank(plugin.ep_group)
     lo, hi = ep_rank * E // 2, (ep_rank + 1) * E // 2
     ref = _reference(forced)
-    ref_opt = _adamw(ref)
-    model = _Net(plugin.ep_group)
+    ref_opt = adamw(ref)
+    model = MoeNet(plugin.ep_group)
     _copy_into(model, ref, lo, hi)
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(model, _adamw(model))
+    boosted, optimizer, *_ = booster.boost(model, adamw(model))
     for step in range(STEPS):
         torch.manual_seed(100 + step)
         x, target = torch.randn(4, T, H), torch.randn(4, T, H)
@@ -101,7 +84,7 @@ def _train(rank: int, stage: int, forced: bool, outside: bool, root: str) -> Non
     plain_plugin = MoeHybridParallelPlugin(ep_size=1, precision="fp32")
     plain_booster = Booster(plugin=plain_plugin)
     torch.manual_seed(7)
-    plain, *_ = plain_booster.boost(_Net(None))
+    plain, *_ = plain_booster.boost(MoeNet(None))
     plain_booster.load_model(plain, f"{root}/stage{stage}")
     for (name, p), q in zip(plain.unwrap().named_parameters(), ref.parameters(), strict=True):
         assert_rel_close(p.detach(), q.detach(), RTOL, f"loaded {name}")
@@ -109,7 +92,7 @@ def _train(rank: int, stage: int, forced: bool, outside: bool, root: str) -> Non
     ep4 = MoeHybridParallelPlugin(ep_size=4, precision="fp32")
     ep4_booster = Booster(plugin=ep4)
     torch.manual_seed(7)
-    one, *_ = ep4_booster.boost(_Net(ep4.ep_group))
+    one, *_ = ep4_booster.boost(MoeNet(ep4.ep_group))
     ep4_booster.load_model(one, f"{root}/stage{stage}")
     for (name, p), q in zip(one.unwrap().named_parameters(), ref.parameters(), strict=True):
         want = q[rank : rank + 1] if name.startswith("moe.experts.") else q
@@ -163,9 +146,9 @@ def test_bad_sizes_name_the_argument_and_low_precisions_train(rank: int, world_s
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         plugin = MoeHybridParallelPlugin(ep_size=2, precision=precision, zero_stage=2)
         torch.manual_seed(0)
-        model = _Net(plugin.ep_group)
+        model = MoeNet(plugin.ep_group)
         booster = Booster(plugin=plugin)
-        boosted, optimizer, *_ = booster.boost(model, _adamw(model))
+        boosted, optimizer, *_ = booster.boost(model, adamw(model))
         before = model.moe.experts.w1.detach().clone()
         assert before.dtype == dtype and model.fc_in.weight.dtype == dtype
         torch.manual_seed(1 + rank)

@@ -7,9 +7,12 @@
 * :mod:`.colo_tensor`: :class:`ColoTensor`, a thin ``DTensor`` subclass (the design choice is
   documented there); :mod:`.respec`: in-place relayout recorded by autograd.
 * :mod:`.colo_parameter`: :class:`ColoParameter`; :mod:`.init_context`: :class:`ColoInitContext`.
+* :mod:`.module_io`: :func:`attach_colo_io`, the plain-tensor boundary of a ColoTensor model
+  (installed by ``ColoInitContext``): inside, every operator runs on DTensor's sharding
+  propagation (the Megatron TP1D patterns of the seeds' GPT-2 tutorial follow from DTensor's
+  rules for Shard(-1)/Shard(0) weights); an operator without a strategy raises naming it.
 
-Not built yet (issue 34's later part): the TP1D operator strategies (row/column-split linear,
-vocab-split embedding), GeminiDDP composition and checkpoints.
+Not built yet (issue 34's later part): GeminiDDP composition and checkpoints.
 """
 
 from colossal.legacy.tensor import distspec
@@ -18,6 +21,7 @@ from colossal.legacy.tensor.colo_tensor import ColoTensor
 from colossal.legacy.tensor.compute_spec import ComputePattern, ComputeSpec
 from colossal.legacy.tensor.distspec import DistPlacementPattern, ReplicaSpec, ShardSpec
 from colossal.legacy.tensor.init_context import ColoInitContext
+from colossal.legacy.tensor.module_io import attach_colo_io
 from colossal.legacy.tensor.process_group import ProcessGroup
 from colossal.legacy.tensor.tensor_spec import ColoTensorSpec
 
@@ -32,5 +36,6 @@ __all__ = [
     "ProcessGroup",
     "ReplicaSpec",
     "ShardSpec",
+    "attach_colo_io",
     "distspec",
 ]

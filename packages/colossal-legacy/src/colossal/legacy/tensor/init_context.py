@@ -10,6 +10,7 @@ from torch import nn
 
 from colossal.legacy.tensor.colo_parameter import ColoParameter
 from colossal.legacy.tensor.distspec import ReplicaSpec, _DistSpec
+from colossal.legacy.tensor.module_io import attach_colo_io
 from colossal.legacy.tensor.process_group import ProcessGroup
 from colossal.legacy.tensor.tensor_spec import ColoTensorSpec
 
@@ -23,7 +24,9 @@ class ColoInitContext:
     the modules initialised them with torch's generator (so a model built with the same seed
     outside has equal values; DTensor's own random ops would draw differently). They are
     replicated over ``default_pg`` (default ``ProcessGroup()``) unless ``default_dist_spec``
-    splits them.
+    splits them. The modules built inside that are not part of another one built inside (the
+    model, a loss) take and return plain tensors (:func:`~.module_io.attach_colo_io`): the
+    operators inside run on DTensor's sharding propagation.
 
     Args:
         device: Where the payloads live (default: CPU).
@@ -90,3 +93,7 @@ class ColoInitContext:
                     if id(param) not in done:
                         done[id(param)] = self._convert(param)
                     module._parameters[name] = cast(nn.Parameter, done[id(param)])
+        inner = {id(sub) for m in self._created for sub in m.modules() if sub is not m}
+        for module in self._created:
+            if id(module) not in inner:
+                attach_colo_io(module)

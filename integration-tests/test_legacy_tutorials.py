@@ -191,6 +191,15 @@ TUTORIALS = {
         pattern=ENGINE_LOSS,
         ratio=0.92,  # reached 0.77
     ),
+    # "Parallelize Your Training like Megatron-LM via ColoTensor": the page's GPT-2 split by
+    # its parameter loop over tp 2 (DTensor's sharding propagation), plain AdamW loop
+    "colotensor_gpt": Tutorial(
+        script="colotensor_gpt.py",
+        nproc=2,
+        args=(),
+        pattern=ENGINE_LOSS,
+        ratio=0.95,  # reached 0.86
+    ),
     # "Auto Mixed Precision Training": torch and naive AMP
     "amp_torch": Tutorial(
         script="amp/train_with_engine.py",

@@ -179,7 +179,9 @@ def test_gpt2_tp2_dp2_matches_plain(rank: int, world_size: int) -> None:
 def test_op_without_strategy_is_named(rank: int, world_size: int) -> None:
     """CPU flash attention has no DTensor strategy: the error names it and the placements.
 
-    Catches: a silent replicate-everything fallback, an error without the operator's name.
+    Also: parameters left on two process groups are refused naming one and the fix.
+    Catches: a silent replicate-everything fallback, an error without the operator's name, a
+    model on mixed meshes that fails deep inside DTensor (or runs) instead.
     """
     torch.set_num_threads(1)
     with ColoInitContext(device="cpu"):
@@ -191,3 +193,9 @@ def test_op_without_strategy_is_named(rank: int, world_size: int) -> None:
     text = str(info.value)
     assert "scaled_dot_product" in text and "placements [(" in text, text
     assert "Replicate()" in text, text
+
+    with ColoInitContext(device="cpu"):
+        mixed = nn.Linear(4, 4)
+    mixed.weight.set_process_group(ProcessGroup(tp_degree=2))  # the bias stays on tp 1
+    with pytest.raises(ValueError, match="set_process_group"):
+        mixed(torch.zeros(2, 4))

@@ -80,8 +80,12 @@ def split_param_single_dim_tp1d(dim: int, param: ColoParameter, pg: ProcessGroup
     param.set_tensor_spec(*spec)
 
 
-def _apply_page_specs(model: nn.Module, pg: ProcessGroup) -> None:
-    """The page's parameter loop, verbatim in effect."""
+def _apply_page_specs(model: nn.Module, pg: ProcessGroup, attn_proj_row: bool = False) -> None:
+    """The page's parameter loop, verbatim in effect.
+
+    With ``attn_proj_row``, ``attn.c_proj``'s weight is split by rows and its bias replicated
+    (Megatron's layout) instead of the page's column split of both.
+    """
     for mn, module in model.named_modules():
         for pn, param in module.named_parameters(recurse=False):
             assert isinstance(param, ColoParameter)
@@ -91,7 +95,7 @@ def _apply_page_specs(model: nn.Module, pg: ProcessGroup) -> None:
                     split_param_single_dim_tp1d(-1, param, pg)
                     assert param.compute_spec is not None
                     param.compute_spec.set_output_replicate(False)
-            elif "mlp.c_proj" in mn:
+            elif "mlp.c_proj" in mn or (attn_proj_row and "attn.c_proj" in mn):
                 if "weight" in pn:
                     split_param_single_dim_tp1d(0, param, pg)
             elif "wte" in mn or "wpe" in mn:
@@ -104,7 +108,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check_tutorial(rank: int, tp: int, dp: int) -> None:
+def _check_tutorial(rank: int, tp: int, dp: int, attn_proj_row: bool = False) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     with ColoInitContext(device="cpu"):
@@ -112,7 +116,7 @@ def _check_tutorial(rank: int, tp: int, dp: int) -> None:
     torch.manual_seed(0)
     ref = GPTLMModel(_config())
     pg = ProcessGroup(tp_degree=tp, dp_degree=dp)
-    _apply_page_specs(model, pg)
+    _apply_page_specs(model, pg, attn_proj_row)
 
     params = dict(model.named_parameters())
     c_fc = params["model.transformer.h.0.mlp.c_fc.weight"]
@@ -122,6 +126,8 @@ def _check_tutorial(rank: int, tp: int, dp: int) -> None:
     assert c_proj.to_local().shape == (128 // tp, 32)  # row
     assert wte.to_local().shape == (VOCAB, 32 // tp)
     assert params["model.transformer.h.0.mlp.c_proj.bias"].is_replicate()
+    attn_proj = params["model.transformer.h.0.attn.c_proj.weight"]
+    assert attn_proj.to_local().shape == ((32 // tp, 32) if attn_proj_row else (32, 32 // tp))
 
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -171,8 +177,11 @@ def test_gpt2_tp2_matches_plain(rank: int, world_size: int) -> None:
 
 @distributed_test(4)
 def test_gpt2_tp2_dp2_matches_plain(rank: int, world_size: int) -> None:
-    """tp 2 x dp 2, half the batch per dp rank. Catches: dp gradients summed, not averaged."""
-    _check_tutorial(rank, tp=2, dp=2)
+    """tp 2 x dp 2, half the batch per dp rank, attn.c_proj split by rows (Megatron's layout).
+
+    Catches: dp gradients summed, not averaged; a row-split attention projection wrong.
+    """
+    _check_tutorial(rank, tp=2, dp=2, attn_proj_row=True)
 
 
 @distributed_test(2)

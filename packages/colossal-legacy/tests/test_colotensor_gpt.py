@@ -171,8 +171,13 @@ def _check_tutorial(rank: int, tp: int, dp: int, attn_proj_row: bool = False) ->
 
 @distributed_test(2)
 def test_gpt2_tp2_matches_plain(rank: int, world_size: int) -> None:
-    """tp 2: the page's specs, 3 AdamW steps equal the plain model. Catches: see module doc."""
+    """tp 2: the page's specs, 3 AdamW steps equal the plain model; then the refusals.
+
+    (One world-2 case, to pay the process start and the transformers import once.)
+    Catches: see the module doc and :func:`_check_refusals`.
+    """
     _check_tutorial(rank, tp=2, dp=1)
+    _check_refusals()
 
 
 @distributed_test(4)
@@ -184,8 +189,7 @@ def test_gpt2_tp2_dp2_matches_plain(rank: int, world_size: int) -> None:
     _check_tutorial(rank, tp=2, dp=2, attn_proj_row=True)
 
 
-@distributed_test(2)
-def test_op_without_strategy_is_named(rank: int, world_size: int) -> None:
+def _check_refusals() -> None:
     """CPU flash attention has no DTensor strategy: the error names it and the placements.
 
     Also: parameters left on two process groups are refused naming one and the fix.

@@ -22,8 +22,10 @@ kind                      bytes counted
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -57,6 +59,13 @@ class CommStats:
 
 _LOCK = threading.Lock()
 _ACTIVE: list[CommTracker] = []
+
+
+class _Quiet(threading.local):
+    depth = 0  # of quiet() blocks in this thread
+
+
+_QUIET = _Quiet()
 
 
 class CommTracker:
@@ -134,9 +143,24 @@ class CommTracker:
         return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Record nothing from this thread inside the block.
+
+    A composite collective (e.g. :mod:`colossal.core.comm.fp8`'s all-reduce, an all-to-all
+    then an all-gather of float8 bytes) records itself once, as one logical call, and runs its
+    parts quietly.
+    """
+    _QUIET.depth += 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
+
+
 def record(kind: str, group: GroupKey, nbytes: int, dtype: str) -> None:
     """Report one call to every active tracker (cheap when none is active)."""
-    if not _ACTIVE:
+    if not _ACTIVE or _QUIET.depth:
         return
     rec = CommRecord(kind, group, int(nbytes), dtype)
     with _LOCK:

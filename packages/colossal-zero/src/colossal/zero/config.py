@@ -21,6 +21,7 @@ class ZeroConfig:
     overlap_communication: bool = True
     cpu_offload: bool = False
     master_weights: bool = True
+    fp8_communication: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -80,6 +80,11 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         verbose: Log overflows and scale changes at INFO level.
         scaler_config: The fp16 loss scaler's settings as one ``ScalerConfig`` (instead of
             the seven keyword settings above).
+        fp8_communication: Move gradients (reduce-scatter, stage 1 too) and the updated
+            parameters (all-gather) as float8 e4m3 with per-piece scales
+            (:mod:`colossal.core.comm.fp8`): a quarter of the bytes, synchronous (no overlap),
+            each value within 6.25% (plus the codec's subnormal term) of its exact value.
+            The masters stay exact; each rank's own parameter slice too.
         grad_divisor: What the gradients summed over the group are divided by (the group
             size by default: the mean, as DDP). Expert parameters whose gradients already sum
             over ``ep`` ranks' tokens use ``moe_dp * ep`` (see :mod:`colossal.zero.moe`).
@@ -116,6 +121,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         verbose: bool = False,
         scaler_config: ScalerConfig | None = None,
         grad_divisor: int | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(optimizer)
         scaler = scaler_config_from(
@@ -145,6 +151,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             overlap_communication=overlap_communication,
             cpu_offload=cpu_offload,
             master_weights=master_weights,
+            fp8_communication=bool(fp8_communication),
         )
         # Held to the end of the process: freeing one later cannot deadlock (group_lifetime).
         for held in (dp_process_group or dist.group.WORLD, tp_process_group, pp_process_group):
@@ -190,6 +197,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             self._master_device,
             self.device,
             self.config.overlap_communication,
+            self.config.fp8_communication,
         )
         self._hooks = [
             slot.param.register_post_accumulate_grad_hook(
@@ -206,6 +214,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             self.world_size,
             dp_process_group,
             overlap_allgather,
+            self.config.fp8_communication,
         )
         self._grad_norm: float | None = None
         self._pending_clip: float | None = None

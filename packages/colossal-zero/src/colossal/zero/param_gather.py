@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from colossal.core import METADATA_GETTERS
-from colossal.core.comm import CommWork, all_gather, shm
+from colossal.core.comm import CommWork, all_gather, fp8_all_gather, shm
 from colossal.zero.layout import Bucket
 
 # Calls that never read a parameter's values: attribute reads, shape queries and setting or
@@ -98,6 +98,9 @@ class ParamGatherer:
         world_size: Size of the data-parallel group.
         group: The data-parallel group.
         overlap: Let the next forward overlap the all-gathers.
+        fp8: All-gather the slices as float8 (synchronously: no overlap). Each rank keeps its
+            own slice exact (the masters may be views of it); the others' slices are within
+            the fp8 codec's bound of the owners' values.
     """
 
     def __init__(
@@ -108,7 +111,9 @@ class ParamGatherer:
         world_size: int,
         group: dist.ProcessGroup | None,
         overlap: bool,
+        fp8: bool = False,
     ) -> None:
+        self.fp8 = fp8
         self.buckets = list(buckets)
         self.flat_params = list(flat_params)
         self.rank = rank
@@ -116,8 +121,10 @@ class ParamGatherer:
         self.group = group
         # Through shared memory (one host) a synchronous all-gather beats an overlapped one
         # (an asynchronous call would take gloo).
-        self.overlap = overlap and not (
-            world_size > 1 and flat_params and shm.available(group, flat_params[0])
+        self.overlap = (
+            overlap
+            and not fp8
+            and not (world_size > 1 and flat_params and shm.available(group, flat_params[0]))
         )
         self._bucket_of = {id(s.param): b.order for b in self.buckets for s in b.slots}
         self._pending: dict[int, CommWork | None] = {}  # insertion order = issue order
@@ -141,6 +148,11 @@ class ParamGatherer:
                 flat = self.flat_params[bucket.group]
                 lo, hi = bucket.shard_range(self.rank, self.world_size)
                 region = flat[bucket.start : bucket.start + bucket.size]
+                if self.fp8:
+                    own = flat[lo:hi].clone()
+                    fp8_all_gather(region, own, group=self.group)
+                    flat[lo:hi].copy_(own)
+                    continue
                 self._pending[bucket.order] = all_gather(
                     region, flat[lo:hi], group=self.group, async_op=self.overlap
                 )

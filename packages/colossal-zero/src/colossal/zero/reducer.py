@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from colossal.core.comm import CommWork, all_reduce, reduce_scatter, shm
+from colossal.core.comm import CommWork, all_reduce, fp8_reduce_scatter, reduce_scatter, shm
 from colossal.zero.layout import Bucket, GroupLayout, ParamSlot
 
 KEEP_BUFFERS = 2
@@ -56,6 +56,8 @@ class GradReducer:
         shard_dtype: dtype of the gradient slices handed to the optimizer (stage 2).
         shard_device: device of those slices.
         overlap: Start collectives during backward (else all at its end, synchronously).
+        fp8: Reduce-scatter every bucket as float8 (:func:`colossal.core.comm.fp8_reduce_scatter`,
+            synchronous; stage 1 too, into this rank's slice, the only part its step reads).
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class GradReducer:
         shard_device: torch.device,
         device: torch.device,
         overlap: bool,
+        fp8: bool = False,
     ) -> None:
         self.layouts = list(layouts)
+        self.fp8 = fp8
         self.buckets = list(buckets)
         self.partition_grad = partition_grad
         self.group = group
@@ -87,7 +91,7 @@ class GradReducer:
         # then reduces only this rank's slice of its flat buffer in place (the slice the
         # step reads): half the traffic of an all-reduce, which it needs only on gloo.
         self._shm = shm.available(group, torch.empty(0, dtype=comm_dtype, device=device))
-        self._async_ok = not self._shm
+        self._async_ok = not self._shm and not fp8
         self.sync = True
         self._states = [_BucketState() for _ in self.buckets]
         self._next = 0
@@ -225,13 +229,21 @@ class GradReducer:
             out = torch.empty(
                 bucket.shard_size(self.world_size), dtype=self.comm_dtype, device=self._device
             )
-            work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
+            if self.fp8:
+                fp8_reduce_scatter(out, buf, group=self.group)
+                work = None
+            else:
+                work = reduce_scatter(out, buf, group=self.group, async_op=async_op)
             post: Callable[[], None] | None = self._accumulate_shard(bucket, state, out)
         else:
             flat = self.flat_grads[bucket.group]
             assert flat is not None
             region = flat[bucket.start : bucket.start + bucket.size]
-            if self._shm:
+            if self.fp8:
+                lo, hi = bucket.shard_range(self.rank, self.world_size)
+                fp8_reduce_scatter(flat[lo:hi], region, group=self.group)
+                work = None
+            elif self._shm:
                 lo, hi = bucket.shard_range(self.rank, self.world_size)
                 work = reduce_scatter(flat[lo:hi], region, group=self.group, algorithm="shm")
             else:

@@ -24,11 +24,6 @@ _LAZY_INIT = (
     "build the model under colossal.lazy.LazyInitContext (colossalai.lazy) and let the "
     "Booster's plugin shard it; ColoInitContext is not implemented"
 )
-_SPAWN_36 = (
-    "ColossalAI's spawn(func, nprocs, **kwargs) calls func(rank, world_size, port) before any "
-    "launch: issue 36. colossal.core.testing.spawn(fn, world_size) runs fn(rank, world_size) "
-    "with the default group already launched"
-)
 
 #: Names of the ``colossalai`` package itself (its own ``launch*`` and ``__version__`` are
 #: defined in ``colossalai/__init__.py``).
@@ -95,19 +90,31 @@ BOOSTER_ERA: dict[str, Row] = {
             "DistributedLogger": "colossal.core:DistributedLogger",
         },
     ),
+    # ColossalAI's spawn calls func(rank, world_size=, port=) before any launch: ours is
+    # spawn_with_port (colossal.core.testing.spawn launches the group first).
     "colossalai.testing": served(
         "colossal.core.testing",
-        hints={
-            "spawn": _SPAWN_36,
-            "parameterize": "issue 36; use pytest.mark.parametrize",
-            "rerun_if_address_is_in_use": "issue 36; colossal.core.testing.spawn retries a "
-            "taken port once by itself",
-            "clear_cache_before_run": "issue 36",
-            "assert_close": "issue 36; use torch.testing.assert_close or "
-            "colossal.core.testing.assert_rel_close",
-        },
-        issue=ISSUE_TODAY,
+        names={"spawn": "colossal.core.testing:spawn_with_port"},
+        issue=None,
     ),
+    "colossalai.testing.utils": served(
+        "colossal.core.testing.decorators",
+        names={
+            "spawn": "colossal.core.testing:spawn_with_port",
+            "free_port": "colossal.core.testing:free_port",
+        },
+        issue=None,
+    ),
+    "colossalai.testing.comparison": served(
+        names={
+            "assert_close": "colossal.core.testing:assert_close",
+            "assert_close_loose": "colossal.core.testing:assert_close_loose",
+            "assert_equal": "colossal.core.testing:assert_equal",
+            "assert_not_equal": "colossal.core.testing:assert_not_equal",
+            "check_state_dict_equal": "colossal.core.testing:check_state_dict_equal",
+        },
+    ),
+    "colossalai.testing.random": served("colossal.core.testing.seeding", issue=None),
     "colossalai.nn.optimizer": served(
         names={
             "HybridAdam": "colossal.kernels:HybridAdam",

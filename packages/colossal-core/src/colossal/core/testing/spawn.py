@@ -51,6 +51,7 @@ def _worker(
     results: Any,
     comm_timeout: float,
     backend: str,
+    launch_group: bool = True,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -63,17 +64,21 @@ def _worker(
     torch.set_num_threads(1)
     ok = False
     try:
-        launch(
-            rank,
-            world_size,
-            "127.0.0.1",
-            port,
-            backend=backend,
-            timeout=comm_timeout,
-            verbose=False,
-        )
-        value = fn(rank, world_size, *args, **kwargs)
-        dist.barrier()
+        if launch_group:
+            launch(
+                rank,
+                world_size,
+                "127.0.0.1",
+                port,
+                backend=backend,
+                timeout=comm_timeout,
+                verbose=False,
+            )
+            value = fn(rank, world_size, *args, **kwargs)
+        else:  # ColossalAI's contract: the function launches with the port itself
+            value = fn(rank, *args, world_size=world_size, port=port, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
         # Plain pickle: torch's multiprocessing reducers would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
         results.put(("ok", rank, pickle.dumps(value)))
@@ -133,6 +138,7 @@ def _spawn_once(
     timeout: float,
     comm_timeout: float,
     backend: str,
+    launch_group: bool = True,
 ) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
@@ -150,6 +156,7 @@ def _spawn_once(
                 results,
                 comm_timeout,
                 backend,
+                launch_group,
             ),
             name=f"colossal-rank{rank}",
             daemon=True,
@@ -247,3 +254,51 @@ def spawn(
         return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)
     except _PortInUseError:
         return _spawn_once(fn, world_size, args, kwargs, timeout, comm_timeout, backend)
+
+
+def spawn_with_port(
+    func: Callable[..., _R],
+    nprocs: int = 1,
+    *,
+    timeout: float = 300.0,
+    **kwargs: object,
+) -> list[_R]:
+    """ColossalAI's ``spawn``: ``func(rank, world_size=nprocs, port=port, **kwargs)`` per rank.
+
+    Unlike :func:`spawn`, nothing is launched first: ``func`` receives a free localhost port
+    and starts the job itself, as ColossalAI's tests do::
+
+        def run_dist(rank, world_size, port):
+            colossalai.launch(rank=rank, world_size=world_size, host="localhost", port=port,
+                              backend="gloo")
+            ...
+
+        spawn_with_port(run_dist, 2)
+
+    Every process gets ``torch.set_num_threads(1)`` and the torchrun environment variables
+    (``MASTER_PORT`` is the same port). A rank that raises, dies or hangs stops the run at
+    once and its traceback is raised here; a port taken between choosing and binding it is
+    retried once on another port (and :func:`rerun_if_address_is_in_use` retries the caller).
+
+    Args:
+        func: A module-level (picklable) function taking ``rank`` first and the keywords
+            ``world_size`` and ``port``.
+        nprocs: Number of processes.
+        timeout: Seconds the whole run may take.
+        **kwargs: More keyword arguments for ``func`` (picklable).
+
+    Returns:
+        ``func``'s return value on each rank, in rank order (ColossalAI's returns None).
+
+    Raises:
+        DistributedTestError: A rank raised (its traceback is in the message), died, or the
+            run exceeded ``timeout``.
+        ValueError: ``nprocs`` is not a positive int.
+    """
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    run = (func, nprocs, (), kwargs, timeout, timeout, "gloo", False)
+    try:
+        return _spawn_once(*run)
+    except _PortInUseError:
+        return _spawn_once(*run)

@@ -288,7 +288,10 @@ class Booster:
 
         reader = self.plugin.lora_reader(model) if self.plugin is not None else None
         save_lora_as_pretrained(
-            model, checkpoint, use_safetensors, group=getattr(self.checkpoint_io, "group", None),
+            model,
+            checkpoint,
+            use_safetensors,
+            group=getattr(self.checkpoint_io, "group", None),
             reader=reader,
         )
 
@@ -337,7 +340,14 @@ class Booster:
             background_snapshot=model in self._fenced,
         )
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+    def load_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
         """Load a model saved under any plugin and world size, or a checkpoint users have.
 
         ``checkpoint``: a Colossal checkpoint directory, a Hugging Face model directory
@@ -345,8 +355,15 @@ class Booster:
         a ``.safetensors`` file or a ``torch.save``'d state dict (with or without a
         ``module.`` prefix). Which one was found is logged; any other file is refused with
         an error that says what it is.
+
+        ``low_cpu_mem_mode=True`` streams the tensors (each read, or only the part this rank
+        keeps, when it is copied in); ``False`` reads every needed tensor whole first,
+        ``num_threads`` shard files at once: more host memory, faster on many files. Both
+        load the same values (see :meth:`CheckpointIO.reading`).
         """
-        self.checkpoint_io.load_model(model, checkpoint, strict)
+        self.checkpoint_io.load_model(
+            model, checkpoint, strict, low_cpu_mem_mode=low_cpu_mem_mode, num_threads=num_threads
+        )
 
     def save_optimizer(
         self,
@@ -372,13 +389,30 @@ class Booster:
             background_snapshot=optimizer in self._fenced,
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def load_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
         """Load an optimizer directory saved under any plugin and world size.
 
         Another model's optimizer state (other parameter names or shapes) is refused with a
-        ``CheckpointError`` before anything is loaded, under every plugin.
+        ``CheckpointError`` before anything is loaded, under every plugin. ``prefix`` and
+        ``size_per_shard`` are kept for API compatibility (the index names the files);
+        ``low_cpu_mem_mode`` and ``num_threads`` as in :meth:`load_model`.
         """
-        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+        self.checkpoint_io.load_optimizer(
+            optimizer,
+            checkpoint,
+            prefix,
+            size_per_shard,
+            low_cpu_mem_mode=low_cpu_mem_mode,
+            num_threads=num_threads,
+        )
 
     def save_lr_scheduler(self, lr_scheduler: LRScheduler, checkpoint: str) -> None:
         """Save the lr scheduler's state (collective).

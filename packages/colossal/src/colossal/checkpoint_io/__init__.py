@@ -9,6 +9,7 @@ optionally async, and never replace a good checkpoint until they are complete.
 
 from __future__ import annotations
 
+from colossal.checkpoint_io.general import GeneralCheckpointIO
 from colossal.checkpoint_io.index import CheckpointError, read_index
 from colossal.checkpoint_io.names import group_param_names
 from colossal.checkpoint_io.reader import TensorReader
@@ -17,6 +18,7 @@ from colossal.checkpoint_io.template import MODEL_INDEX, OPTIMIZER_INDEX, Checkp
 __all__ = [
     "CheckpointError",
     "CheckpointIO",
+    "GeneralCheckpointIO",
     "MODEL_INDEX",
     "OPTIMIZER_INDEX",
     "TensorReader",

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import zipfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,10 @@ def detect_model_checkpoint(path: str) -> ModelSource:
     directory, name = os.path.split(os.path.abspath(path))
     if _is_safetensors(path) or path.endswith(".safetensors"):
         return ModelSource(
-            SAFETENSORS_FILE, path, directory, f"a safetensors file {path}",
+            SAFETENSORS_FILE,
+            path,
+            directory,
+            f"a safetensors file {path}",
             {k: name for k in _safetensors_keys(path)},
         )
     if _is_torch_file(path):
@@ -209,6 +212,10 @@ class StateDictReader(TensorReader):
         """The stored shape of ``name``."""
         return list(self._tensor(name).shape)
 
+    def preload(self, names: Iterable[str] | None = None, num_threads: int = 1) -> int:
+        """Nothing to read: the tensors are already in memory (returns 0)."""
+        return 0
+
     def close(self) -> None:
         """Drop the tensors."""
         self._tensors.clear()
@@ -221,13 +228,20 @@ class _RenamedReader(TensorReader):
         super().__init__(directory, {renamed.get(k, k): f for k, f in weight_map.items()})
         self._stored = {renamed.get(k, k): k for k in weight_map}
 
+    def _stored_name(self, name: str) -> str:
+        return self._stored[name]
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """``tensor[index]`` (the whole tensor when ``index`` is None), read from disk."""
+        if name in self._loaded:
+            return super().read(name, index)
         handle, key = self._open(name), self._stored[name]
         return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
 
     def shape(self, name: str) -> list[int]:
         """The stored shape of ``name``."""
+        if name in self._loaded:
+            return super().shape(name)
         return list(self._open(name).get_slice(self._stored[name]).get_shape())
 
 

@@ -8,9 +8,10 @@ them); the files, the index, sharding, async writing and crash safety live here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +89,52 @@ class CheckpointIO:
         self.verify_checksums = verify_checksums
         self.write_in_place = write_in_place
         self.saver = ShardedSaver(group)
+        self._low_cpu_mem_mode = True
+        self._num_threads = 1
+
+    # ---- how loads read --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(
+        self, low_cpu_mem_mode: bool | None = None, num_threads: int | None = None
+    ) -> Iterator[None]:
+        """Loads inside the block read as given (None keeps the current setting).
+
+        ``low_cpu_mem_mode=True`` (the default) streams: each tensor, or only the part a rank
+        keeps, is read when it is copied in. ``False`` first reads every tensor the load
+        needs whole into memory, ``num_threads`` shard files at once
+        (:meth:`TensorReader.preload`): more memory (the whole tensors read), larger reads,
+        files in parallel. Both load identical values.
+
+        Raises:
+            TypeError: ``low_cpu_mem_mode`` is not a bool.
+            ValueError: ``num_threads`` is not a positive int.
+        """
+        if low_cpu_mem_mode is not None and not isinstance(low_cpu_mem_mode, bool):
+            raise TypeError(f"low_cpu_mem_mode must be True or False, got {low_cpu_mem_mode!r}")
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(f"num_threads={num_threads!r} must be a positive int (1: one reader)")
+        previous = (self._low_cpu_mem_mode, self._num_threads)
+        if low_cpu_mem_mode is not None:
+            self._low_cpu_mem_mode = low_cpu_mem_mode
+        if num_threads is not None:
+            self._num_threads = num_threads
+        try:
+            yield
+        finally:
+            self._low_cpu_mem_mode, self._num_threads = previous
+
+    def _prepare_reader(self, reader: TensorReader, names: Iterable[str] | None) -> TensorReader:
+        """``reader``, with ``names`` preloaded unless this load streams (see :meth:`reading`)."""
+        if not self._low_cpu_mem_mode:
+            read = reader.preload(names, self._num_threads)
+            logger.debug("preloaded %d bytes with %d threads", read, self._num_threads)
+        return reader
+
+    def _optimizer_reader(self, directory: str, index: Mapping[str, Any]) -> TensorReader:
+        """A reader over an optimizer checkpoint's shards, read as :meth:`reading` says."""
+        return self._prepare_reader(TensorReader(directory, index["weight_map"]), None)
 
     def _rank(self) -> int:
         if not dist.is_initialized():
@@ -305,7 +352,14 @@ class CheckpointIO:
         """The module whose Hugging Face config files are saved with the weights."""
         return unwrap_model(model)
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+    def load_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        strict: bool = True,
+        low_cpu_mem_mode: bool | None = None,
+        num_threads: int | None = None,
+    ) -> None:
         """Load a model checkpoint saved by any plugin at any world size, or one users have.
 
         ``checkpoint`` may be a Colossal checkpoint directory, a Hugging Face model directory
@@ -316,12 +370,20 @@ class CheckpointIO:
         share the checksum reads and agree on the verdict); each rank reads only the tensors
         or slices it keeps (a ``torch.save``'d file is read whole).
 
+        ``low_cpu_mem_mode`` and ``num_threads`` (ColossalAI's arguments) choose how the
+        tensors are read, as :meth:`reading` says (None: the current setting, streaming by
+        default); the loaded values are the same.
+
         Raises:
             FileNotFoundError: ``checkpoint`` does not exist.
             CheckpointError: ``checkpoint`` is none of the above (the message says what it
                 is), incomplete/corrupt, lacks or has unexpected tensors (``strict``), or
                 has tensors of other shapes (another model's checkpoint).
         """
+        with self.reading(low_cpu_mem_mode, num_threads):
+            self._load_model(model, checkpoint, strict)
+
+    def _load_model(self, model: nn.Module, checkpoint: str, strict: bool) -> None:
         self.wait_snapshots()
         module = unwrap_model(model)
         targets, aliases = _load_targets(marked_state_dict(module))
@@ -359,9 +421,9 @@ class CheckpointIO:
         source = detect_model_checkpoint(path)
         logger.info("loading the model from %s", source.description)
         if source.kind != COLOSSAL:
-            return open_model_reader(source, names)
+            return self._prepare_reader(open_model_reader(source, names), names)
         index = read_index(source.directory, MODEL_INDEX, self.verify_checksums, self.group)
-        return TensorReader(source.directory, index["weight_map"])
+        return self._prepare_reader(TensorReader(source.directory, index["weight_map"]), names)
 
     # ---- optimizer -------------------------------------------------------------------------
     def save_optimizer(
@@ -395,19 +457,33 @@ class CheckpointIO:
             in_place=self._writes_in_place(tensors),
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def load_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        low_cpu_mem_mode: bool | None = None,
+        num_threads: int | None = None,
+    ) -> None:
         """Load an optimizer directory saved by any plugin at any world size.
 
         Collective over the group when it has several ranks, as :meth:`load_model`.
+        ``prefix`` and ``size_per_shard`` are ColossalAI's and unused (the index names the
+        files); ``low_cpu_mem_mode`` and ``num_threads`` as in :meth:`load_model`.
 
         Raises:
             CheckpointError: Incomplete/corrupt checkpoint, or one of other parameters (other
                 names or shapes: another model's), refused before anything is loaded.
         """
+        with self.reading(low_cpu_mem_mode, num_threads):
+            self._load_optimizer(optimizer, checkpoint)
+
+    def _load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
         self.wait_snapshots()
         directory = resolve_directory(checkpoint)
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
-        reader = TensorReader(directory, index["weight_map"])
+        reader = self._optimizer_reader(directory, index)
         check_optimizer_fits(index, reader.shape, self._param_shapes(optimizer))
         self.load_optimizer_state(optimizer, index, reader)
         reader.close()
@@ -455,6 +531,15 @@ class CheckpointIO:
     def synchronize(self) -> None:
         """Wait until every async save has been committed on every rank (collective)."""
         self.saver.synchronize()
+
+    # ColossalAI's tests wait for async saves through these two private names.
+    def _sync_d2h(self) -> None:
+        """ColossalAI's name of :meth:`wait_snapshots` (the device-to-host copies are done)."""
+        self.wait_snapshots()
+
+    def _sync_io(self) -> None:
+        """ColossalAI's name of :meth:`synchronize` (every async save is on disk)."""
+        self.synchronize()
 
 
 def _scheduler_file(checkpoint: str) -> str:

@@ -285,7 +285,7 @@ class GeminiCheckpointIO(CheckpointIO):
         finally:
             gatherer.release()
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+    def _load_model(self, model: nn.Module, checkpoint: str, strict: bool) -> None:
         """As :meth:`CheckpointIO.load_model`; a Gemini model reads only its flat ranges.
 
         Every rank reads, of each parameter, the elements its shards hold and writes them
@@ -296,7 +296,7 @@ class GeminiCheckpointIO(CheckpointIO):
         """
         gemini = _gemini_model(model)
         if gemini is None:
-            super().load_model(model, checkpoint, strict)
+            super()._load_model(model, checkpoint, strict)
             return
         self.wait_snapshots()
         module = gemini.module

@@ -30,7 +30,7 @@ from colossal.booster.plugin.hybrid.optimizer_state import (
     stage_state,
 )
 from colossal.booster.plugin.zero.checkpoint_io import ZeroCheckpointIO
-from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointError, TensorReader, read_index
+from colossal.checkpoint_io import OPTIMIZER_INDEX, CheckpointError, read_index
 from colossal.checkpoint_io.commit import resolve_directory
 from colossal.checkpoint_io.names import param_names
 from colossal.checkpoint_io.optimizer_fit import check_optimizer_fits
@@ -110,7 +110,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
                 state[name] = LocalShard(value.detach(), part, shape)
         return state
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+    def _load_model(self, model: nn.Module, checkpoint: str, strict: bool) -> None:
         """Load any plugin's model checkpoint (or a Hugging Face one) into the held tensors.
 
         Collective. ``strict`` refuses names the checkpoint lacks, and names no rank of the
@@ -210,7 +210,7 @@ class HybridCheckpointIO(ZeroCheckpointIO):
             stages.setdefault(stage, entries)
         return [stages.get(s, []) for s in range(max(stages, default=-1) + 1)]
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def _load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
         """Load any plugin's optimizer checkpoint into this rank's states (collective).
 
         Raises:
@@ -218,12 +218,12 @@ class HybridCheckpointIO(ZeroCheckpointIO):
                 with another shape (another model's).
         """
         if self.layout == (1, 1):
-            super().load_optimizer(optimizer, checkpoint)
+            super()._load_optimizer(optimizer, checkpoint)
             return
         self.wait_snapshots()
         directory = resolve_directory(checkpoint)
         index = read_index(directory, OPTIMIZER_INDEX, self.verify_checksums, self.group)
-        reader = TensorReader(directory, index["weight_map"])
+        reader = self._optimizer_reader(directory, index)
         names = [self.canonical.get(n, n) for n in param_names(optimizer)]
         refs = self.zero_refs(optimizer)
         check_optimizer_fits(index, reader.shape,

@@ -4,6 +4,7 @@ from colossal.core.accelerator.api import get_accelerator
 from colossal.core.accelerator.base import (
     BaseAccelerator,
     DeviceEvent,
+    DeviceProperties,
     DeviceStream,
     NoOpEvent,
     NoOpStream,
@@ -16,6 +17,7 @@ __all__ = [
     "CpuAccelerator",
     "CudaAccelerator",
     "DeviceEvent",
+    "DeviceProperties",
     "DeviceStream",
     "NoOpEvent",
     "NoOpStream",

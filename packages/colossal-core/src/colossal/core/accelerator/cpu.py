@@ -9,6 +9,8 @@ import torch
 
 from colossal.core.accelerator.base import (
     BaseAccelerator,
+    DeviceLike,
+    DeviceProperties,
     DeviceStream,
     NoOpEvent,
     NoOpStream,
@@ -16,6 +18,22 @@ from colossal.core.accelerator.base import (
 )
 
 _STATUS = "/proc/self/status"
+_DEFAULT_STREAM = NoOpStream()
+
+
+class _Peak:
+    """The peak-RSS fallback where the kernel's mark cannot be reset (no ``clear_refs``)."""
+
+    kernel_resets = True
+    tracked = 0
+
+
+def _is_cpu(device: DeviceLike) -> bool:
+    if device is None or device == 0:
+        return True
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cpu"
+    return False
 
 
 def _status_kib(field: str) -> int:
@@ -31,10 +49,18 @@ def _status_kib(field: str) -> int:
 
 
 class CpuAccelerator(BaseAccelerator):
-    """The host CPU. Memory figures are the process's resident set size."""
+    """The host CPU. Memory figures are the process's resident set size.
+
+    Memory: ``memory_allocated``/``memory_reserved`` are the resident set size (VmRSS), the
+    peaks the kernel's high-water mark (VmHWM), reset through ``/proc/self/clear_refs``
+    (where that is not permitted, the peak of the values read since the reset). Random
+    numbers: torch's CPU generator. Streams and events run nothing asynchronously (timing
+    events record the host clock). ``autocast`` is torch's CPU autocast.
+    """
 
     name = "cpu"
     communication_backend = "gloo"
+    is_synchronous = True
 
     def is_available(self) -> bool:
         """The CPU is always there."""
@@ -48,10 +74,31 @@ class CpuAccelerator(BaseAccelerator):
         """Always ``cpu``."""
         return torch.device("cpu")
 
-    def set_device(self, index: int | None) -> None:
-        """Nothing to select on CPU."""
+    def set_device(self, device: DeviceLike = None) -> None:
+        """Nothing to select on CPU: accepts None, 0, ``"cpu"`` or ``torch.device("cpu")``.
 
-    def get_device_name(self) -> str:
+        Raises:
+            ValueError: Another device.
+        """
+        if not _is_cpu(device):
+            raise ValueError(
+                f"set_device({device!r}) on the CPU accelerator: the only device is 'cpu' "
+                "(index 0); set COLOSSAL_ACCELERATOR=cuda on a machine with GPUs"
+            )
+
+    def get_device_properties(self, device: DeviceLike = None) -> DeviceProperties:
+        """Processor model, physical memory and logical cores."""
+        return DeviceProperties(self.get_device_name(), self.total_memory(), os.cpu_count() or 1)
+
+    def utilization(self, device: DeviceLike = None) -> int:
+        """The 1-minute load average as a percentage of the logical cores (at most 100)."""
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            return 0
+        return min(100, round(100 * load / (os.cpu_count() or 1)))
+
+    def get_device_name(self, device: DeviceLike = None) -> str:
         """The processor model where the OS reports it."""
         try:
             with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
@@ -62,38 +109,60 @@ class CpuAccelerator(BaseAccelerator):
             pass
         return "cpu"
 
-    def synchronize(self) -> None:
+    def synchronize(self, device: DeviceLike = None) -> None:
         """CPU work is synchronous."""
 
-    def Stream(self) -> NoOpStream:  # noqa: N802
+    def Stream(  # noqa: N802
+        self, device: DeviceLike = None, priority: int = 0, **kwargs: object
+    ) -> NoOpStream:
         """A stream that runs nothing asynchronously."""
         return NoOpStream()
 
-    def current_stream(self) -> NoOpStream:
+    def current_stream(self, device: DeviceLike = None) -> NoOpStream:
         """A stream that runs nothing asynchronously."""
-        return NoOpStream()
+        return _DEFAULT_STREAM
+
+    def default_stream(self, device: DeviceLike = None) -> NoOpStream:
+        """A stream that runs nothing asynchronously."""
+        return _DEFAULT_STREAM
+
+    def set_stream(self, stream: DeviceStream) -> None:
+        """Nothing to switch: every stream is the host."""
 
     def stream(self, stream: DeviceStream) -> contextlib.AbstractContextManager[object]:
         """A context that changes nothing."""
         return noop_stream_context(stream)
 
-    def Event(self, enable_timing: bool = False) -> NoOpEvent:  # noqa: N802
-        """An always-complete event."""
+    def Event(  # noqa: N802
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> NoOpEvent:
+        """An always-complete event (recording the host clock when timing is enabled)."""
         return NoOpEvent(enable_timing)
 
-    def memory_allocated(self) -> int:
+    def memory_allocated(self, device: DeviceLike = None) -> int:
         """Resident set size of this process in bytes."""
-        return _status_kib("VmRSS") * 1024
+        rss = _status_kib("VmRSS") * 1024
+        _Peak.tracked = max(_Peak.tracked, rss)
+        return rss
 
-    def max_memory_allocated(self) -> int:
+    def max_memory_allocated(self, device: DeviceLike = None) -> int:
         """Peak resident set size (VmHWM) in bytes since the last reset."""
-        return _status_kib("VmHWM") * 1024
+        if _Peak.kernel_resets:
+            return _status_kib("VmHWM") * 1024
+        return max(_Peak.tracked, self.memory_allocated())
 
-    def reset_peak_memory_stats(self) -> None:
-        """Reset the kernel's peak-RSS mark (Linux ``clear_refs``); silently skipped elsewhere."""
-        with contextlib.suppress(OSError):
+    def reset_peak_memory_stats(self, device: DeviceLike = None) -> None:
+        """Reset the kernel's peak-RSS mark (Linux ``clear_refs``).
+
+        Where that is not permitted, the peak becomes the largest RSS read from now on.
+        """
+        try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
                 fh.write("5")
+        except OSError:
+            _Peak.kernel_resets = False
+        _Peak.tracked = 0
+        self.memory_allocated()
 
     def total_memory(self) -> int:
         """Physical memory of the machine in bytes."""

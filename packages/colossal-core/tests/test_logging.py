@@ -122,16 +122,52 @@ def test_records_name_the_callers_line(caplog: pytest.LogCaptureFixture) -> None
     assert all(r.pathname == __file__ for r in caplog.records)
 
 
-def test_get_dist_logger_adds_no_handler() -> None:
-    """Catches: library code configuring output (only the CLI or the script may)."""
-    get_dist_logger().info("x", ranks=[0])
-    get_dist_logger("colossal.core.something")
-    with_handlers = [
-        name
-        for name, obj in logging.Logger.manager.loggerDict.items()
-        if name.split(".")[0] == "colossal" and getattr(obj, "handlers", None)
-    ]
-    assert with_handlers == []
+_PRINTS_BY_DEFAULT = """
+import logging
+import sys
+from colossal.core import get_dist_logger
+get_dist_logger().info("shown %d", 1, ranks=[0])
+get_dist_logger().debug("hidden")
+logging.getLogger("colossal.zero.part").info("library line")
+logging.getLogger("elsewhere").info("not ours")
+logging.basicConfig(level=logging.INFO, format="configured: %(message)s", stream=sys.stdout)
+get_dist_logger().info("after basicConfig")
+"""
+
+
+def test_get_dist_logger_prints_info_by_default_and_once_when_configured() -> None:
+    """ColossalAI's ``get_dist_logger().info(...)`` prints without any logging setup.
+
+    Catches: INFO lines swallowed (the root's WARNING level), DEBUG shown, loggers outside
+    ``colossal`` made chatty, and lines printed twice once the script configures logging.
+    """
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PRINTS_BY_DEFAULT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "colossal - INFO: [rank 0] shown 1",
+        "colossal.zero.part - INFO: library line",
+        "configured: [rank 0] after basicConfig",
+    ], done.stdout
+    assert "not ours" not in done.stderr
+
+
+@pytest.mark.usefixtures("restore_logger_levels")
+def test_get_dist_logger_adds_one_fallback_and_keeps_a_set_level() -> None:
+    """Catches: a handler added per call (lines multiplied), a level set by the user reset
+    to INFO by the next ``get_dist_logger()``, or plain ``get_logger`` configuring output."""
+    name = "colossal.test.fallback"
+    get_dist_logger(name)
+    get_dist_logger(name).set_level("WARNING")
+    get_dist_logger(name)
+    logger = logging.getLogger(name)
+    assert len(logger.handlers) == 1 and logger.level == logging.WARNING
+    get_logger("colossal.test.plain_library")
+    assert logging.getLogger("colossal.test.plain_library").handlers == []
 
 
 @pytest.mark.usefixtures("restore_logger_levels")

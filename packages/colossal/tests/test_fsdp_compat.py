@@ -282,10 +282,8 @@ def test_refused_arguments(rank: int, world_size: int) -> None:
     assert type(_plugin(cpu_offload=CPUOffload(offload_params=False)).offload_policy).__name__ == (
         "OffloadPolicy"
     )
-    with pytest.raises(ValueError, match="buffer_dtype"):
-        _plugin(
-            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-        )
+    with pytest.raises(TypeError, match="buffer_dtype=torch.int32"):
+        _plugin(mixed_precision=MixedPrecision(torch.bfloat16, buffer_dtype=torch.int32))
     with pytest.raises(ValueError, match="keep_low_precision_grads.*reduce_dtype"):
         _plugin(mixed_precision=MixedPrecision(torch.bfloat16, keep_low_precision_grads=True))
     with pytest.raises(ValueError, match="only one"):
@@ -314,3 +312,55 @@ def test_refused_arguments(rank: int, world_size: int) -> None:
     # FSDP2-style arguments keep working and default to FULL_SHARD.
     assert _plugin().config.reshard_after_forward is True
     assert _plugin(reshard_after_forward=False).config.reshard_after_forward is False
+
+
+class _WithBuffers(nn.Module):
+    """A layer scaled by a float buffer, with an integer buffer and an ignored child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.3))
+        self.register_buffer("steps", torch.tensor(3))
+        self.side = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@distributed_test(2)
+def test_mixed_precision_buffer_dtype(rank: int, world_size: int) -> None:
+    """FSDP1's ``MixedPrecision(buffer_dtype=...)`` casts the floating-point buffers before
+    ``fully_shard`` (eager and lazy models), as FSDP1 runs forward with them.
+
+    Catches: buffer_dtype refused or ignored (scale left fp32: the output would differ from
+    the bf16 reference by more than bf16 rounding of 1.3), integer buffers cast, an ignored
+    module's buffers cast, a lazy buffer materialized with its fp32 value or left on meta.
+    """
+    from colossal.lazy import LazyInitContext
+
+    torch.manual_seed(0)
+    reference = _WithBuffers()
+    x = torch.randn(5, 4)
+    lin = reference.lin
+    expected = nn.functional.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    expected = expected * torch.full((4,), 1.3).bfloat16()
+    assert (expected.float() - (lin(x) * 1.3)).abs().max() > 1e-3  # bf16 shows
+    for lazy in (False, True):
+        torch.manual_seed(0)
+        if lazy:
+            with LazyInitContext():
+                model = _WithBuffers()
+        else:
+            model = _WithBuffers()
+        mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+        plugin = _plugin(mixed_precision=mp, ignored_modules=[model.side])
+        boosted, *_ = Booster(plugin=plugin).boost(model)
+        inner = boosted.unwrap()
+        assert inner.scale.dtype == torch.bfloat16 and not inner.scale.is_meta, lazy
+        assert torch.equal(inner.scale, torch.full((4,), 1.3).bfloat16()), lazy
+        assert inner.steps.dtype == torch.int64 and int(inner.steps) == 3, lazy
+        assert inner.side.running_mean.dtype == torch.float32, lazy
+        out = boosted(x)
+        assert out.dtype == torch.bfloat16, lazy
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"lazy={lazy}")

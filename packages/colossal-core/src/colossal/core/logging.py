@@ -9,14 +9,18 @@ the user's script) does. ColossalAI's names work as there::
     logger = get_dist_logger()
     logger.info("initialized", ranks=[0])
 
-Nothing is printed unless something configures output: ``colossal run``, the script
-(``logging.basicConfig(level=logging.INFO)``) or ``logger.log_to_file(directory)``.
+``get_logger`` loggers print nothing unless something configures output (``colossal run``,
+the script's ``logging.basicConfig(level=logging.INFO)`` or ``logger.log_to_file(directory)``).
+``get_dist_logger()`` logs INFO by default, as ColossalAI's does: its logger gets level INFO
+(when unset) and a fallback handler that prints to stdout only while nothing else in the
+logger's hierarchy handles records, so a script that configures logging sees each line once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -194,15 +198,56 @@ def _level(level: int | str) -> int:
     return value
 
 
+class _FallbackHandler(logging.StreamHandler):
+    """Prints to stdout (looked up at emit time) while no other handler would see the record.
+
+    ``get_dist_logger`` installs one, so INFO lines appear without configuration (as in
+    ColossalAI); once the script or the CLI configures logging (a handler on the root or on
+    any logger the record passes through), this one stays silent and nothing is doubled.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(name)s - %(levelname)s: %(message)s"))
+
+    @property
+    def stream(self) -> object:
+        """``sys.stdout`` now (so a redirected or captured stdout is honoured)."""
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write the record unless another handler on its way up will."""
+        current: logging.Logger | None = logging.getLogger(record.name)
+        while current is not None:
+            if any(h is not self for h in current.handlers):
+                return
+            if not current.propagate:
+                break
+            current = current.parent
+        super().emit(record)
+
+
 def get_dist_logger(name: str = DEFAULT_LOGGER_NAME) -> DistributedLogger:
     """A :class:`DistributedLogger` over ``get_logger(name)`` (ColossalAI's ``get_dist_logger``).
 
-    No handler is added: output is configured by the CLI or the script.
+    Logs INFO by default, as ColossalAI's does: the logger's level becomes INFO when it is
+    unset (``set_level`` changes it) and it gets a fallback handler printing to stdout while
+    nothing else in its hierarchy handles records (``logging.basicConfig``, ``colossal run``
+    or ``log_to_file`` take over, without doubled lines).
 
     Args:
         name: Logger name; ``"colossal"`` (the parent of every Colossal logger) by default.
     """
-    return DistributedLogger(get_logger(name))
+    logger = get_logger(name)
+    if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(_FallbackHandler())
+    return DistributedLogger(logger)
 
 
 def disable_existing_loggers(

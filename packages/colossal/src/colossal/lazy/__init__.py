@@ -9,6 +9,6 @@ Example:
 
 from __future__ import annotations
 
-from colossal.lazy.context import LazyInitContext, is_lazy, materialize_tensor
+from colossal.lazy.context import LazyInitContext, is_lazy, lazy_to, materialize_tensor
 
-__all__ = ["LazyInitContext", "is_lazy", "materialize_tensor"]
+__all__ = ["LazyInitContext", "is_lazy", "lazy_to", "materialize_tensor"]

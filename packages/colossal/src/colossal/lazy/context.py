@@ -9,18 +9,27 @@ Materializing replays each tensor's recipe on its own, so a plugin can build one
 at a time and keep only its shard (FSDP) — the weights equal eager init under the same seed.
 A parameter cut from a lazy one by :func:`colossal.core.shard_parameter` (tensor parallel,
 applied before materializing) is materialized as only its part the same way.
+
+Moving or casting a lazy tensor (``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``...) is
+recorded, not run, as ColossalAI's LazyTensor does: materializing builds the tensor and then
+moves or casts it. That holds for a whole lazy model too: after the first context,
+``nn.Module._apply`` (behind ``Module.to/cuda/cpu/half/float/...``) records the conversion of
+a model's lazy tensors instead of failing with "Cannot copy out of meta tensor"; models
+without lazy tensors take the unchanged path.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
@@ -29,7 +38,7 @@ from colossal.core import mark_sharded, shard_source, shard_spec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LazyInitContext", "is_lazy", "materialize_tensor"]
+__all__ = ["LazyInitContext", "is_lazy", "lazy_to", "materialize_tensor"]
 
 _ATTR = "_colossal_lazy"
 _DETERMINISTIC_INPLACE = {
@@ -57,6 +66,22 @@ class _Root:
 class _Info:
     root: _Root
     chain: list[tuple[Any, tuple[Any, ...], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A lazy argument of a recorded op, frozen to the recipe it had when the op ran.
+
+    Holding the recipe rather than the tensor matters when a tensor's recipe is replaced
+    later (a parameter moved by ``Module.to`` keeps its object and gets a new recipe that
+    reads the old one): the recorded op must not read the new recipe, or it would loop.
+    """
+
+    info: _Info
+
+
+def _freeze(value: Any) -> Any:
+    return _Ref(getattr(value, _ATTR)) if is_lazy(value) else value
 
 
 def is_lazy(tensor: object) -> bool:
@@ -93,19 +118,77 @@ def _realize(root: _Root) -> torch.Tensor:
 
 
 def _to_real(value: Any) -> Any:
+    if isinstance(value, _Ref):
+        return _materialize_info(value.info)
     if is_lazy(value):
         return materialize_tensor(value)
     return value
 
 
-def materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A real CPU tensor equal to what eager init would have produced for ``tensor``."""
-    info: _Info = getattr(tensor, _ATTR)
+def _materialize_info(info: _Info) -> torch.Tensor:
     return _apply_chain(_realize(info.root), info.chain).clone()
+
+
+def materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A real tensor equal to what eager init would have produced for ``tensor``.
+
+    On the CPU unless a recorded move (``.to(device)``, ``.cuda()``) put it elsewhere.
+    """
+    return _materialize_info(getattr(tensor, _ATTR))
+
+
+_MOVES = {"to", "cuda", "cpu"}
+
+
+def _is_device(value: object) -> bool:
+    return isinstance(value, (str, torch.device)) or (
+        isinstance(value, int) and not isinstance(value, bool)
+    )
+
+
+def _record_move(func: Any, name: str, first: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """``first.to(...)`` / ``.cuda()`` / ``.cpu()`` on a lazy tensor, recorded for later.
+
+    The result is a meta tensor of the target dtype whose recipe materializes ``first`` and
+    then runs the move; a ``to`` that changes nothing returns ``first`` as torch does.
+    """
+    moved = name != "to"  # cuda() and cpu() always name a device
+
+    def meta(value: object) -> object:
+        nonlocal moved
+        if _is_device(value):
+            moved = True
+            return torch.device("meta")
+        if isinstance(value, torch.Tensor):  # to(other): other's dtype and device
+            moved = True
+            return torch.empty(0, dtype=value.dtype, device="meta")
+        return value
+
+    if name == "to":
+        meta_args = [meta(a) for a in args]
+        meta_kwargs = {k: meta(v) if k in ("device", "other") else v for k, v in kwargs.items()}
+        out = func(first, *meta_args, **meta_kwargs)
+    else:
+        out = first
+    if out is first:
+        if not moved:
+            return first
+        out = first.clone()
+    source = _Ref(getattr(first, _ATTR))
+    frozen_args, frozen_kwargs = tree_map(_freeze, args), tree_map(_freeze, kwargs)
+    recipe = lambda: func(  # noqa: E731
+        _to_real(source), *tree_map(_to_real, frozen_args), **tree_map(_to_real, frozen_kwargs)
+    )
+    setattr(out, _ATTR, _Info(_Root(recipe), []))
+    return out
 
 
 class _LazyMode(TorchFunctionMode):
     _busy = False
+
+    def __init__(self, factories: bool = True) -> None:
+        super().__init__()
+        self._factories = factories
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -125,7 +208,14 @@ class _LazyMode(TorchFunctionMode):
             and (not name.startswith("__"))
         ):
             return self._inplace(func, name, first, args[1:], kwargs)
-        if _is_factory(func, name, args, kwargs):
+        if name in _MOVES and is_lazy(first):
+            assert isinstance(first, torch.Tensor)
+            self._busy = True
+            try:
+                return _record_move(func, name, first, args[1:], kwargs)
+            finally:
+                self._busy = False
+        if self._factories and _is_factory(func, name, args, kwargs):
             return self._factory(func, name, args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.is_meta and not hasattr(out, _ATTR):
@@ -138,8 +228,8 @@ class _LazyMode(TorchFunctionMode):
                 chain = parent.chain + ([(func, args[1:], kwargs)] if out._is_view() else [])
                 setattr(out, _ATTR, _Info(parent.root, chain))
             else:
-                real_args = args
-                recipe = lambda f=func, a=real_args, k=kwargs: f(  # noqa: E731
+                real_args, real_kwargs = tree_map(_freeze, args), tree_map(_freeze, kwargs)
+                recipe = lambda f=func, a=real_args, k=real_kwargs: f(  # noqa: E731
                     *tree_map(_to_real, a), **tree_map(_to_real, k)
                 )
                 setattr(out, _ATTR, _Info(_Root(recipe), []))
@@ -152,7 +242,8 @@ class _LazyMode(TorchFunctionMode):
         self._busy = True
         try:
             state = self._consume_rng(func, name, tensor, args, kwargs)
-            info.root.ops.append((info.chain, func, args, kwargs, state))
+            frozen = (tree_map(_freeze, args), tree_map(_freeze, kwargs))
+            info.root.ops.append((info.chain, func, *frozen, state))
             return func(tensor, *args, **kwargs)
         finally:
             self._busy = False
@@ -209,7 +300,9 @@ class LazyInitContext:
         >>> LazyInitContext.materialize(model)    # or let a Booster plugin do it
 
     A Booster plugin materializes a lazy model in ``boost``; ``TorchFSDPPlugin`` builds one
-    full tensor at a time and keeps only this rank's shard.
+    full tensor at a time and keeps only this rank's shard. ``model.to(...)``,
+    ``model.cuda()``, ``model.half()``... before ``boost`` are recorded and replayed when the
+    model is materialized (as in ColossalAI).
 
     Args:
         default_device: Ignored placeholder for ColossalAI compatibility (tensors are meta
@@ -220,9 +313,11 @@ class LazyInitContext:
         self.default_device = default_device
         self._mode: _LazyMode | None = None
         self._saved_new: Any = None
+        self._factories = True
 
     def __enter__(self) -> LazyInitContext:
-        self._mode = _LazyMode()
+        _install_apply_hook()
+        self._mode = _LazyMode(self._factories)
         self._saved_new = nn.Parameter.__new__
         saved_new = self._saved_new
 
@@ -248,8 +343,15 @@ class LazyInitContext:
         self._mode = None
 
     @staticmethod
-    def materialize(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    def materialize(
+        module: nn.Module, device: str | torch.device | None = None, verbose: bool = False
+    ) -> nn.Module:
         """Replace every lazy parameter and buffer of ``module`` by its real tensor, in place.
+
+        ``device``: where the real tensors go; None (default) leaves them where their
+        recorded moves put them (the CPU unless ``.to(device)``/``.cuda()`` was called).
+        ``verbose`` (ColossalAI's argument) prints, on rank 0, how many parameters and
+        buffers were lazy and the size of the tensors that were real already.
 
         A parameter :func:`colossal.core.shard_parameter` cut from a lazy tensor (a
         tensor-parallel layer built from a lazy module) becomes only its part: the whole
@@ -258,6 +360,8 @@ class LazyInitContext:
         whole tensor exists at a time. The result keeps its sharding mark. Tied tensors stay
         tied. Returns ``module``.
         """
+        if verbose:
+            _report(module)
         done: dict[int, torch.Tensor] = {}
         for sub in module.modules():
             for kind in ("_parameters", "_buffers"):
@@ -274,7 +378,8 @@ class LazyInitContext:
                     if not is_lazy(tensor):
                         continue
                     if id(tensor) not in done:
-                        real = materialize_tensor(tensor).to(device)
+                        real = materialize_tensor(tensor)
+                        real = real.to(device) if device is not None else real
                         if isinstance(tensor, nn.Parameter):
                             real = nn.Parameter(real, requires_grad=tensor.requires_grad)
                         done[id(tensor)] = real
@@ -283,7 +388,7 @@ class LazyInitContext:
 
 
 def _materialize_part(
-    param: torch.Tensor, source: torch.Tensor, device: str | torch.device
+    param: torch.Tensor, source: torch.Tensor, device: str | torch.device | None
 ) -> torch.Tensor:
     """The real local tensor of ``param``, a shard of the lazy ``source`` (one whole at a time)."""
     spec = shard_spec(param)
@@ -302,3 +407,88 @@ def _materialize_part(
     if isinstance(param, nn.Parameter):
         local = nn.Parameter(local, requires_grad=param.requires_grad)
     return mark_sharded(local, spec.placements, spec.shape)
+
+
+def lazy_to(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """``tensor.to(*args, **kwargs)`` that keeps a lazy tensor lazy (the move is recorded).
+
+    A real tensor is converted at once. Example: casting a lazy model's buffers to bf16
+    before a plugin shards it, without materializing them.
+    """
+    if not is_lazy(tensor):
+        return tensor.to(*args, **kwargs)  # type: ignore[call-overload]
+    return _record_move(torch.Tensor.to, "to", tensor, args, kwargs)
+
+
+def _report(module: nn.Module) -> None:
+    """ColossalAI's ``materialize(verbose=True)`` lines, printed on rank 0."""
+    params, buffers = list(module.parameters()), list(module.buffers())
+    lazy_params = sum(is_lazy(p) for p in params)
+    lazy_buffers = sum(is_lazy(b) for b in buffers)
+    real = [t for t in [*params, *buffers] if not is_lazy(t)]
+    numel = sum(t.numel() for t in real)
+    size_mb = sum(t.numel() * t.element_size() for t in real) / 1024**2
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"Param lazy rate: {lazy_params}/{len(params)}")
+        print(f"Buffer lazy rate: {lazy_buffers}/{len(buffers)}")
+        print(f"Non-lazy numel: {numel} ({size_mb:.3f} MB)")
+
+
+_ORIGINAL_APPLY: Callable[..., nn.Module] | None = None
+_APPLYING = threading.local()
+
+
+def _has_lazy(module: nn.Module) -> bool:
+    return any(is_lazy(t) for t in [*module.parameters(), *module.buffers()])
+
+
+def _install_apply_hook() -> None:
+    """Make ``nn.Module._apply`` (``to``, ``cuda``, ``half``...) record on lazy models.
+
+    Installed once, by the first ``LazyInitContext``; a model without lazy tensors costs one
+    scan of its tensors per top-level call and takes the original path.
+    """
+    global _ORIGINAL_APPLY
+    if _ORIGINAL_APPLY is not None:
+        return
+    original = nn.Module._apply
+    _ORIGINAL_APPLY = original
+
+    @functools.wraps(original)
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
+               **kwargs: Any) -> nn.Module:  # fmt: skip
+        if getattr(_APPLYING, "active", False) or not _has_lazy(self):
+            return original(self, fn, *args, **kwargs)
+        return _apply_recording(self, original, fn, args, kwargs)
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+
+
+def _apply_recording(
+    module: nn.Module,
+    original: Callable[..., nn.Module],
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> nn.Module:
+    """Run ``module._apply(fn)`` with ``fn``'s ops on lazy tensors recorded, not run."""
+    replaced: list[tuple[torch.Tensor, _Info]] = []
+
+    def recording_fn(tensor: torch.Tensor) -> torch.Tensor:
+        out = fn(tensor)
+        if is_lazy(tensor) and out is not tensor and is_lazy(out):
+            replaced.append((tensor, getattr(out, _ATTR)))
+        return out
+
+    context = LazyInitContext()
+    context._factories = False  # only ops on lazy tensors are recorded here
+    _APPLYING.active = True
+    try:
+        with context:
+            result = original(module, recording_fn, *args, **kwargs)
+    finally:
+        _APPLYING.active = False
+    for tensor, info in replaced:  # a parameter kept by `param.data = moved` takes its recipe
+        if tensor.is_meta:
+            setattr(tensor, _ATTR, info)
+    return result

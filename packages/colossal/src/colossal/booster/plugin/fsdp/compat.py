@@ -18,7 +18,8 @@ FSDP1 argument           FSDP2 meaning
                          ``callable(module, recurse, nonwrapped_numel)`` both work)
 ``backward_prefetch``    accepted; FSDP2 always prefetches the next all-gather in backward
 ``mixed_precision``      ``MixedPrecisionPolicy(param_dtype, reduce_dtype,
-                         cast_forward_inputs)``
+                         cast_forward_inputs)``; ``buffer_dtype``: floating-point buffers
+                         are cast to it before sharding (FSDP2 leaves buffers alone)
 ``ignored_modules``      their parameters become ``fully_shard(ignored_params=...)``
 ``param_init_fn``        called on each module with meta-device tensors before sharding
 ``sync_module_states``   parameters and buffers broadcast from the group's rank 0 before
@@ -56,7 +57,7 @@ from colossal.booster.plugin.base import (
 )
 from colossal.core import ParallelDims, get_accelerator
 from colossal.core.comm import broadcast
-from colossal.lazy import is_lazy
+from colossal.lazy import is_lazy, lazy_to
 
 logger = logging.getLogger(__name__)
 
@@ -187,11 +188,12 @@ class FSDP1Arguments:
         )
         if mp is None:
             return
-        if mp.buffer_dtype is not None:
-            raise ValueError(
-                f"MixedPrecision(buffer_dtype={mp.buffer_dtype}) has no FSDP2 equivalent "
-                "(fully_shard leaves buffers alone): drop buffer_dtype and cast the buffers "
-                "yourself before boost (e.g. module.register_buffer(name, buf.to(dtype)))"
+        if mp.buffer_dtype is not None and not (
+            isinstance(mp.buffer_dtype, torch.dtype) and mp.buffer_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"MixedPrecision(buffer_dtype={mp.buffer_dtype!r}) must be a floating-point "
+                "torch.dtype (e.g. torch.bfloat16) or None"
             )
         if mp.keep_low_precision_grads:
             raise ValueError(
@@ -307,7 +309,10 @@ class FSDP1Arguments:
         group: dist.ProcessGroup | None,
         device: torch.device,
     ) -> None:
-        """Before sharding: run ``param_init_fn`` on meta modules, then ``sync_module_states``.
+        """Before sharding: ``param_init_fn``, ``sync_module_states``, then ``buffer_dtype``.
+
+        ``param_init_fn`` runs on meta modules; the floating-point buffers are cast to
+        ``mixed_precision.buffer_dtype`` last.
 
         Raises:
             ValueError: Tensors are still on the meta device after ``param_init_fn``.
@@ -332,6 +337,26 @@ class FSDP1Arguments:
             if has_lazy_tensors(model):  # rank 0's values must exist to be broadcast
                 materialize_model(model, optimizer)
             self._broadcast(model, group, device)
+        if self.mixed_precision is not None and self.mixed_precision.buffer_dtype is not None:
+            self.cast_buffers(model, self.mixed_precision.buffer_dtype)
+
+    def cast_buffers(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """FSDP1's ``buffer_dtype``: cast every floating-point buffer to ``dtype``.
+
+        The ignored modules' buffers are left alone; lazy buffers stay lazy (the cast is
+        recorded); a buffer shared by two modules stays shared.
+        """
+        ignored = self.ignored_set()
+        cast: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            if module in ignored:
+                continue
+            for name, buf in list(module._buffers.items()):
+                if buf is None or not buf.is_floating_point() or buf.dtype == dtype:
+                    continue
+                if id(buf) not in cast:
+                    cast[id(buf)] = lazy_to(buf, dtype)
+                module._buffers[name] = cast[id(buf)]
 
     @staticmethod
     def _broadcast(model: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> None:

@@ -156,8 +156,8 @@ class TorchFSDPPlugin(DPPluginBase):
         backward_prefetch: FSDP1 ``BackwardPrefetch``; accepted, FSDP2 always prefetches
             the next all-gather in backward.
         mixed_precision: FSDP1 ``MixedPrecision``; becomes ``MixedPrecisionPolicy(
-            param_dtype, reduce_dtype, cast_forward_inputs)`` (``buffer_dtype`` and
-            ``keep_low_precision_grads`` are refused).
+            param_dtype, reduce_dtype, cast_forward_inputs)``; its ``buffer_dtype`` casts the
+            floating-point buffers before sharding (``keep_low_precision_grads`` is refused).
         ignored_modules: Modules whose parameters are neither sharded nor reduced.
         param_init_fn: ``fn(module)`` called before sharding on each module holding
             meta-device tensors (it must materialize them).

@@ -163,6 +163,10 @@ class TorchFSDPPlugin(DPPluginBase):
             meta-device tensors (it must materialize them).
         sync_module_states: Broadcast parameters and buffers from the group's rank 0 before
             sharding.
+        fp8_communication: ColossalAI's float8 compression of the FSDP collectives: refused
+            when True (``NotImplementedError`` naming what is missing: FSDP2 runs its
+            all-gathers and reduce-scatters inside ``fully_shard``; Colossal has no float8
+            ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` for it).
 
     Raises:
         TypeError: An FSDP1 argument has the wrong type.
@@ -192,7 +196,16 @@ class TorchFSDPPlugin(DPPluginBase):
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
+        if fp8_communication:
+            raise NotImplementedError(
+                "TorchFSDPPlugin(fp8_communication=True): FSDP2 (fully_shard) runs its "
+                "all-gathers and reduce-scatters itself, and Colossal has no float8 "
+                "implementation of FSDP2's set_custom_all_gather / set_custom_reduce_scatter "
+                "hooks; use LowLevelZeroPlugin(fp8_communication=True) (ZeRO-1/2) or "
+                "fp8_communication=False"
+            )
         self.fsdp1 = FSDP1Arguments(
             process_group,
             sharding_strategy,

@@ -42,6 +42,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import Boosted, Criterion, DPPluginBase, materialize_model
+from colossal.booster.plugin.fp8 import require_fp8_matmul
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
 from colossal.booster.plugin.hybrid.config import HybridConfig, ShardOptions, unused_arguments
 from colossal.booster.plugin.hybrid.lora import (
@@ -149,6 +150,13 @@ class HybridParallelPlugin(DPPluginBase):
             per-replica batch must divide by the grid's batch split (q, depth*q, q*q). Not
             with a pipeline or sequence parallelism.
         tp_depth: The 2.5D grid's depth (ColossalAI's ``depth``).
+        fp8_communication: Reduce the data-parallel gradients and all-gather the ZeRO
+            parameter slices as float8 (``LowLevelZeroOptimizer(fp8_communication=True)``;
+            zero_stage 0 too, through the same buckets). Not compressed: the tensor-parallel
+            and sequence-parallel collectives inside the model and the pipeline's
+            point-to-point transfers (they carry activations in the training precision).
+        use_fp8: ColossalAI's float8 matmuls: refused (``NotImplementedError`` naming what is
+            missing, see :func:`colossal.booster.plugin.fp8.require_fp8_matmul`).
 
     Raises:
         ValueError: A size or combination that cannot work, naming the values.
@@ -204,7 +212,11 @@ class HybridParallelPlugin(DPPluginBase):
         verbose: bool = False,
         tensor_parallel_mode: str = "1d",
         tp_depth: int = 1,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
     ) -> None:
+        if use_fp8:
+            require_fp8_matmul(type(self).__name__)
         if not dist.is_initialized():
             raise RuntimeError(
                 "HybridParallelPlugin needs torch.distributed initialized first: call "
@@ -264,6 +276,7 @@ class HybridParallelPlugin(DPPluginBase):
             communication_dtype=communication_dtype,
             overlap_communication=overlap_communication,
             cpu_offload=cpu_offload,
+            fp8_communication=bool(fp8_communication),
         )
         self.scaler_config = ScalerConfig(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,

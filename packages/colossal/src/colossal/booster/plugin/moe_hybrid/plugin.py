@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MoeHybridParallelPlugin"]
 
-_ColossalAIOnly = ("overlap_p2p", "use_fp8", "fp8_communication", "force_overlap_comm")
+_ColossalAIOnly = ("overlap_p2p", "force_overlap_comm")
 
 
 class MoeHybridParallelPlugin(HybridParallelPlugin):
@@ -76,8 +76,11 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         num_microbatches: Microbatches per batch under a pipeline.
         **hybrid_options: Any other :class:`HybridParallelPlugin` keyword (``max_norm``,
             ``initial_scale``, ``zero_bucket_size_in_m``, ``overlap_communication``, ...), and
-            ColossalAI's ``overlap_p2p``, ``use_fp8``, ``fp8_communication``,
-            ``force_overlap_comm`` (accepted; no effect).
+            ColossalAI's ``overlap_p2p``, ``force_overlap_comm`` (accepted; no effect).
+            ``fp8_communication=True`` reduces the dense and expert gradients and gathers
+            their ZeRO slices as float8; the experts' token all-to-all (uneven splits, under
+            autograd) is not compressed. ``use_fp8=True`` is refused as by
+            :class:`HybridParallelPlugin`.
 
     Raises:
         ValueError: ``ep_size`` does not divide dp, or what :class:`HybridParallelPlugin`

@@ -85,6 +85,7 @@ class ZeroOptimizerKwargs(TypedDict):
     cpu_offload: bool
     master_weights: bool
     verbose: bool
+    fp8_communication: bool
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -138,6 +139,9 @@ class LowLevelZeroPlugin(DPPluginBase):
         verbose: Log overflows.
         dp_group: The data-parallel group (the whole job when None); ZeRO shards over
             ``self.parallel_dims.group("dp")``.
+        fp8_communication: Reduce the gradients and all-gather the parameters as float8
+            (``LowLevelZeroOptimizer(fp8_communication=True)``: a quarter of the bytes, no
+            overlap). The norm's and the loss scaler's small all-reduces stay fp32.
     """
 
     SUPPORTED_PRECISIONS = ("fp16", "bf16", "fp32")
@@ -165,6 +169,7 @@ class LowLevelZeroPlugin(DPPluginBase):
         master_weights: bool = True,
         verbose: bool = False,
         dp_group: dist.ProcessGroup | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         super().__init__(dp_group)
         self.config = ZeroPluginConfig(
@@ -197,6 +202,7 @@ class LowLevelZeroPlugin(DPPluginBase):
             "cpu_offload": cpu_offload,
             "master_weights": master_weights,
             "verbose": verbose,
+            "fp8_communication": bool(fp8_communication),
         }
         self._checkpoint_io = ZeroCheckpointIO(self.dp_group)
         warn_if_slow_precision("LowLevelZeroPlugin", self.config.precision)

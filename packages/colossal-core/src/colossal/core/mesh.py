@@ -121,7 +121,13 @@ class ProcessGroupMesh:
 
     @staticmethod
     def unravel(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-        """Coordinate of ``rank`` in a row-major grid of ``shape``."""
+        """Coordinate of ``rank`` in a row-major grid of ``shape`` (inverse of :meth:`ravel`).
+
+        Raises:
+            ValueError: ``rank`` is outside ``[0, prod(shape))``.
+        """
+        if not 0 <= rank < math.prod(shape):
+            raise ValueError(f"rank {rank} is outside a grid of shape {tuple(shape)}")
         coord = []
         for extent in reversed(shape):
             coord.append(rank % extent)
@@ -129,12 +135,54 @@ class ProcessGroupMesh:
         return tuple(reversed(coord))
 
     @staticmethod
-    def ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
-        """Rank at ``coord`` in a row-major grid of ``shape``."""
+    def ravel(coord: Sequence[int], shape: Sequence[int], mode: str = "raise") -> int:
+        """Rank at ``coord`` in a row-major grid of ``shape`` (ColossalAI's signature).
+
+        Args:
+            coord: One index per axis.
+            shape: Extent of each axis.
+            mode: What an index outside its axis does, as ``numpy.ravel_multi_index``:
+                ``"raise"`` (a ValueError), ``"wrap"`` (modulo the extent) or ``"clip"``
+                (to the nearest end).
+
+        Raises:
+            ValueError: ``coord`` and ``shape`` differ in length, an unknown ``mode``, or an
+                index out of range with ``mode="raise"``.
+        """
+        if mode not in ("raise", "wrap", "clip"):
+            raise ValueError(f"ravel: mode={mode!r} must be 'raise', 'wrap' or 'clip'")
+        if len(coord) != len(shape):
+            raise ValueError(
+                f"ravel: coordinate {tuple(coord)} does not match shape {tuple(shape)}"
+            )
         rank = 0
         for c, extent in zip(coord, shape, strict=True):
+            if not 0 <= c < extent:
+                if mode == "raise":
+                    raise ValueError(
+                        f"ravel: coordinate {tuple(coord)} is outside shape {tuple(shape)}; "
+                        "pass mode='wrap' or 'clip' to fold it in"
+                    )
+                c = c % extent if mode == "wrap" else min(max(c, 0), extent - 1)
             rank = rank * extent + c
         return rank
+
+    @staticmethod
+    def get_coords_along_axis(
+        base_coord: Sequence[int],
+        axis: int | Sequence[int],
+        indices_at_axis: Sequence[int] | Sequence[Sequence[int]],
+    ) -> list[tuple[int, ...]]:
+        """``base_coord`` with its index on ``axis`` replaced by each of ``indices_at_axis``.
+
+        Several axes take one index list each (their product, the first axis outermost).
+        """
+        axes = [axis] if isinstance(axis, int) else list(axis)
+        lists = _index_lists(axes, indices_at_axis)
+        coords = [tuple(base_coord)]
+        for ax, indices in zip(axes, lists, strict=True):
+            coords = [c[:ax] + (i,) + c[ax + 1 :] for c in coords for i in indices]
+        return coords
 
     def _axes(self, axis: Axis | Sequence[Axis]) -> tuple[int, ...]:
         axes = (axis,) if isinstance(axis, (int, str)) else tuple(axis)
@@ -169,27 +217,85 @@ class ProcessGroupMesh:
         return groups
 
     # ---- groups -------------------------------------------------------------------------
-    def get_group(self, ranks: Sequence[int]) -> ProcessGroup:
-        """The cached group of ``ranks``, created collectively if new (all ranks must call)."""
+    def get_group(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup:
+        """The cached group of ``ranks``, created collectively if new (all ranks must call).
+
+        A rank outside ``ranks`` gets torch's non-member marker. ``backend`` overrides the
+        mesh's backend for a new group.
+        """
         key = tuple(sorted(ranks))
         if key not in self._groups:
-            group = dist.new_group(list(key), backend=self._backend, timeout=self._timeout)
+            group = dist.new_group(
+                list(key), backend=backend or self._backend, timeout=self._timeout
+            )
             self._groups[key] = keep_alive(group)  # never freed mid-run: see group_lifetime
         return self._groups[key]
 
-    def get_group_along_axis(self, axis: Axis | Sequence[Axis]) -> ProcessGroup:
+    def create_group_along_axis(
+        self,
+        axis: Axis | Sequence[Axis],
+        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        backend: str | None = None,
+    ) -> ProcessGroup | None:
+        """Create every group along ``axis`` and return this rank's (ColossalAI's method).
+
+        Args:
+            axis: An axis (index or name) or several.
+            indices_at_axis: Only these indices on the axis (one list per axis when several),
+                e.g. ``[0, pp - 1]`` for the first and last stage; all of them when None.
+            backend: Backend of the new groups (the mesh's by default).
+
+        Returns:
+            The group holding this rank, or None when this rank's index on ``axis`` is not
+            among ``indices_at_axis``.
+
+        Raises:
+            ValueError: An unknown axis, or an index outside its axis.
+        """
+        axes = self._axes(axis)
+        lists = _index_lists(axes, indices_at_axis, self._shape)
+        others = [a for a in range(len(self._shape)) if a not in axes]
+        mine: ProcessGroup | None = None
+        for values in itertools.product(*(range(self._shape[a]) for a in others)):
+            base = [0] * len(self._shape)
+            for a, v in zip(others, values, strict=True):
+                base[a] = v
+            coords = self.get_coords_along_axis(base, list(axes), lists)
+            ranks = [self.ravel(c, self._shape) for c in coords]
+            group = self.get_group(ranks, backend)
+            if self._rank in ranks:
+                mine = group
+        return mine
+
+    def get_group_along_axis(
+        self,
+        axis: Axis | Sequence[Axis],
+        indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        backend: str | None = None,
+    ) -> ProcessGroup:
         """This rank's group along ``axis`` (a name, an index, or several of them).
 
         Every rank must call this for the same axes in the same order, because it creates
         (once, then caches) every group along those axes.
+
+        Args:
+            axis: An axis (index or name) or several.
+            indices_at_axis: ColossalAI's argument: the group of the ranks on this rank's line
+                along ``axis`` whose index is one of these (torch's non-member marker when
+                this rank's own index is not among them). All indices when None.
+            backend: Backend of new groups (the mesh's by default).
         """
-        mine: ProcessGroup | None = None
-        for ranks in self.all_groups_along_axis(axis):
-            group = self.get_group(ranks)
-            if self._rank in ranks:
-                mine = group
-        assert mine is not None
-        return mine
+        if indices_at_axis is None:
+            mine = self.create_group_along_axis(axis, None, backend)
+            assert mine is not None
+            return mine
+        axes = self._axes(axis)
+        lists = _index_lists(axes, indices_at_axis, self._shape)
+        coords = self.get_coords_along_axis(self._coord, list(axes), lists)
+        key = tuple(sorted(self.ravel(c, self._shape) for c in coords))
+        if key not in self._groups:
+            self.create_group_along_axis(axes, lists, backend)
+        return self._groups[key]
 
     def get_ranks_in_group(self, group: ProcessGroup) -> list[int]:
         """Global ranks of ``group``."""
@@ -202,6 +308,39 @@ class ProcessGroupMesh:
                 dist.destroy_process_group(group)
         self._groups.clear()
 
+    def destroy_mesh_process_groups(self) -> None:
+        """ColossalAI's name of :meth:`destroy`."""
+        self.destroy()
+
     def __repr__(self) -> str:
         names = f", axis_names={self._names}" if self._names else ""
         return f"ProcessGroupMesh({', '.join(map(str, self._shape))}{names})"
+
+
+def _index_lists(
+    axes: Sequence[int],
+    indices_at_axis: Sequence[int] | Sequence[Sequence[int]] | None,
+    shape: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """One index list per axis (all indices when None), checked against ``shape``."""
+    if indices_at_axis is None:
+        if shape is None:
+            raise ValueError("indices_at_axis is required without a mesh shape")
+        return [list(range(shape[a])) for a in axes]
+    items: list[int | Sequence[int]] = list(indices_at_axis)
+    flat = [i for i in items if isinstance(i, int)]
+    if items and len(flat) == len(items):
+        lists = [flat]
+    else:
+        lists = [[int(j) for j in i] if not isinstance(i, int) else [i] for i in items]
+    if len(lists) != len(axes) or any(not ix for ix in lists):
+        raise ValueError(
+            f"indices_at_axis={indices_at_axis!r} must give a non-empty index list for each "
+            f"of the {len(axes)} axes {tuple(axes)} (a flat list for one axis)"
+        )
+    if shape is not None:
+        for a, ix in zip(axes, lists, strict=True):
+            bad = [i for i in ix if not 0 <= i < shape[a]]
+            if bad:
+                raise ValueError(f"indices_at_axis: {bad} outside axis {a} of extent {shape[a]}")
+    return lists

@@ -36,7 +36,15 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.core.comm import CommWork, all_gather, all_reduce, reduce_scatter
+from colossal.core.comm import (
+    CommWork,
+    all_gather,
+    all_reduce,
+    fp8_all_gather,
+    fp8_all_reduce,
+    fp8_reduce_scatter,
+    reduce_scatter,
+)
 from colossal.gemini.chunk.base import ChunkBase, TensorInfo, _round_up
 from colossal.gemini.chunk.states import IllegalStateTransition, TensorState, check_transition
 from colossal.gemini.chunk.storage import Location, check_location, nbytes, physical_device
@@ -77,7 +85,14 @@ class Chunk(ChunkBase):
     Raises:
         ValueError: ``chunk_size`` is not a positive int.
         TypeError: ``dtype`` or ``master_dtype`` is not a floating dtype.
+
+    Attributes:
+        fp8_communication: Gather and reduce as float8 (:mod:`colossal.core.comm.fp8`),
+            synchronously; this rank's own part of the payload stays exact. Set by the
+            :class:`~colossal.gemini.chunk.manager.ChunkManager`.
     """
+
+    fp8_communication: bool = False
 
     @property
     def payload(self) -> torch.Tensor | None:
@@ -196,12 +211,22 @@ class Chunk(ChunkBase):
             self._payload.copy_(src)
             self._finish_gather()
             return None
+        if self.fp8_communication:
+            self._fp8_gather(src)
+            self._finish_gather()
+            return None
         work = all_gather(self._payload, src, group=self._group, async_op=async_op)
         if async_op:
             self._pending = (work, src)  # the source stays alive until the gather is done
             return work
         self._finish_gather()
         return None
+
+    def _fp8_gather(self, src: torch.Tensor) -> None:
+        """All-gather the shards as float8; this rank's own part is then rewritten exactly."""
+        assert self._payload is not None
+        fp8_all_gather(self._payload, src, group=self._group)
+        self._payload[self.shard_begin : self.shard_end].copy_(src)
 
     def wait(self) -> None:
         """Complete an in-flight asynchronous gather (no-op when there is none)."""
@@ -357,11 +382,17 @@ class Chunk(ChunkBase):
         if self._world == 1:
             summed = buf
         elif self._keep_gathered:
-            work = all_reduce(buf, group=group, async_op=async_op)
+            if self.fp8_communication:
+                fp8_all_reduce(buf, group=group)
+            else:
+                work = all_reduce(buf, group=group, async_op=async_op)
             summed = buf[lo:hi]
         else:
             scratch = self._alloc.empty("device", self.shard_size, self._dtype, "reduced grad")
-            work = reduce_scatter(scratch, buf, group=group, async_op=async_op)
+            if self.fp8_communication:
+                fp8_reduce_scatter(scratch, buf, group=group)
+            else:
+                work = reduce_scatter(scratch, buf, group=group, async_op=async_op)
             summed = scratch
         self._reducing = (work, summed, scratch, average, accumulate)
         after = TensorState.HOLD if self._gathered else TensorState.FREE
@@ -431,7 +462,9 @@ class Chunk(ChunkBase):
         if self._master is not None:
             self.shard.copy_(self._master)
         if self._keep_gathered:
-            if self._world > 1:
+            if self._world > 1 and self.fp8_communication:
+                self._fp8_gather(self.shard)
+            elif self._world > 1:
                 assert self._payload is not None
                 all_gather(self._payload, self.shard, group=self._group)
         else:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.core.comm import all_reduce
+from colossal.core.comm import all_reduce, fp8_all_reduce
 from colossal.gemini.chunk.base import _group_geometry, _round_up
 from colossal.gemini.chunk.chunk import Chunk
 from colossal.gemini.chunk.storage import BudgetLike, Location, physical_device
@@ -87,6 +87,8 @@ class ChunkManager:
             dtype; see :class:`Chunk`).
         extra_dp_group: Ranks holding replicas of this rank's shards (``None``: none); the
             gradient shards are averaged over it by :meth:`reduce_replica_grads`.
+        fp8_communication: Every chunk gathers and reduces as float8 (see :class:`Chunk`),
+            and the replicas' gradient shards are averaged as float8.
 
     Raises:
         ValueError: ``chunk_size`` is not a positive int or ``max_prefetch`` is negative.
@@ -104,6 +106,7 @@ class ChunkManager:
         accumulate_grads: bool = False,
         grad_dtype: torch.dtype | None = None,
         extra_dp_group: ProcessGroup | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
@@ -118,6 +121,7 @@ class ChunkManager:
         self.accumulate_grads = accumulate_grads
         self.grad_dtype = grad_dtype
         self.extra_dp_group = extra_dp_group
+        self.fp8_communication = fp8_communication
         self.extra_dp_size = dist.get_world_size(extra_dp_group) \
             if extra_dp_group is not None and dist.is_initialized() else 1
         self._replicas_pending = False  # gradient shards not yet averaged over extra_dp_group
@@ -154,6 +158,7 @@ class ChunkManager:
             grad_dtype=self.grad_dtype,
             **where,
         )
+        chunk.fp8_communication = self.fp8_communication
         self.chunks.append(chunk)
         return chunk
 
@@ -311,7 +316,9 @@ class ChunkManager:
             if shard is None:  # no gradient reduced into it: alike on every replica
                 continue
             buf = shard if shard.device == device else shard.to(device)
-            all_reduce(buf, group=self.extra_dp_group)
+            (fp8_all_reduce if self.fp8_communication else all_reduce)(
+                buf, group=self.extra_dp_group
+            )
             buf.div_(self.extra_dp_size)
             if buf is not shard:
                 shard.copy_(buf)

@@ -139,6 +139,9 @@ class GeminiPlugin(DPPluginBase):
         dp_group: The data-parallel group (the whole job when None; not with
             ``tp_size > 1`` or ``extra_dp_size > 1``, whose groups come from the job's
             layout).
+        fp8_communication: Gather the chunks and reduce their gradients (over the extra dp
+            replicas too) as float8 (``GeminiDDP(fp8_communication=True)``), synchronously
+            (no prefetch overlap). The tensor-parallel collectives stay uncompressed.
 
     Raises:
         ValueError: A value out of range or a layout that cannot work (the message names
@@ -196,6 +199,7 @@ class GeminiPlugin(DPPluginBase):
         device_memory_limit: int | str | None = None,
         max_prefetch: int = 0,
         dp_group: dist.ProcessGroup | None = None,
+        fp8_communication: bool = False,
     ) -> None:
         shard_options = ShardformerOptions(
             tp_size=tp_size,
@@ -258,6 +262,7 @@ class GeminiPlugin(DPPluginBase):
         self.memstats = memstats
         self.device_memory_limit = device_memory_limit
         self.verbose = bool(verbose)
+        self.fp8_communication = bool(fp8_communication)
         self._check_device()
         warn_if_slow_precision("GeminiPlugin", config.precision)
         if tp_size > 1:
@@ -334,6 +339,7 @@ class GeminiPlugin(DPPluginBase):
             "max_prefetch": cfg.max_prefetch,
             "master_weights": cfg.master_weights,
             "verbose": self.verbose,
+            "fp8_communication": self.fp8_communication,
         }
 
     def configure(

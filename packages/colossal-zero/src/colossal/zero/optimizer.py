@@ -19,10 +19,12 @@ from colossal.core.comm import broadcast, group_ranks
 from colossal.core.grad_norm import NormTerm, norm_share, reduce_norm
 from colossal.core.precision import Precision, ScalerConfig, scaler_config_from
 from colossal.zero.config import ZeroConfig
+from colossal.zero.extra_dp import combine_dp_groups
 from colossal.zero.fused_step import fused_when_unset
 from colossal.zero.layout import Bucket, GroupLayout, plan_layout
 from colossal.zero.memory import MemoryReport
 from colossal.zero.param_gather import ParamGatherer
+from colossal.zero.param_maps import MasterMaps, find_slot, full_param_grad, padding_after
 from colossal.zero.placements import ImpliedAxes, norm_group, slice_norm_terms
 from colossal.zero.reducer import GradReducer
 from colossal.zero.state_dict import gather_state_dict, scatter_state_dict
@@ -89,6 +91,16 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             size by default: the mean, as DDP). Expert parameters whose gradients already sum
             over ``ep`` ranks' tokens use ``moe_dp * ep`` (see :mod:`colossal.zero.moe`).
 
+        extra_dp_group: ColossalAI's second (inter-node) data-parallel group: parameters,
+            gradients and states are sharded over ``dp_process_group`` x ``extra_dp_group``
+            (:func:`colossal.zero.extra_dp.combine_dp_groups` builds that group; collective
+            over the whole job, every rank constructs its optimizer).
+
+    ColossalAI's per-parameter helpers: :attr:`working_to_master_param`,
+    :attr:`master_to_working_param`, :meth:`get_param_padding_size`, :meth:`get_param_grad`
+    (see :mod:`colossal.zero.param_maps` for how they map to the bucket layout) and
+    ``_force_wait_all_gather`` (:meth:`wait_params`).
+
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
         ValueError: mixed parameter dtypes or devices, an unsupported dtype, an optimizer
@@ -122,6 +134,7 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
         scaler_config: ScalerConfig | None = None,
         grad_divisor: int | None = None,
         fp8_communication: bool = False,
+        extra_dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(optimizer)
         scaler = scaler_config_from(
@@ -153,6 +166,8 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
             master_weights=master_weights,
             fp8_communication=bool(fp8_communication),
         )
+        if extra_dp_group is not None:  # ZeRO over dp x extra_dp: one group of all its ranks
+            dp_process_group = combine_dp_groups(dp_process_group, extra_dp_group)
         # Held to the end of the process: freeing one later cannot deadlock (group_lifetime).
         for held in (dp_process_group or dist.group.WORLD, tp_process_group, pp_process_group):
             keep_alive(held)
@@ -514,6 +529,43 @@ class LowLevelZeroOptimizer(OptimizerWrapper):
     def wait_params(self) -> None:
         """Block until the parameters are complete (only needed with ``overlap_allgather``)."""
         self.gatherer.wait_all()
+
+    _force_wait_all_gather = wait_params  # ColossalAI's name
+
+    # ---- ColossalAI's per-parameter view (colossal.zero.param_maps) ---------------------------
+    @property
+    def working_to_master_param(self) -> dict[int, torch.Tensor]:
+        """``id(working param)`` -> the 1-D master elements of it this rank holds (views)."""
+        return self._master_maps().working_to_master
+
+    @property
+    def master_to_working_param(self) -> dict[int, torch.Tensor]:
+        """``id(master view)`` (from :attr:`working_to_master_param`) -> the working param."""
+        return self._master_maps().master_to_working
+
+    def _master_maps(self) -> MasterMaps:
+        maps: MasterMaps | None = getattr(self, "_maps", None)
+        if maps is None:
+            maps = self._maps = MasterMaps(self)
+        return maps
+
+    def get_param_padding_size(self, param: torch.Tensor) -> int:
+        """Zero elements the flat layout adds after ``param`` (a bucket's last param only).
+
+        Raises:
+            ValueError: ``param`` is not trained by this optimizer.
+        """
+        return padding_after(*find_slot(self, param))
+
+    def get_param_grad(self, working_param: torch.Tensor) -> torch.Tensor | None:
+        """The whole averaged, unscaled gradient of ``working_param`` (collective over dp).
+
+        What DDP would leave in ``param.grad``; None when no backward ran since the last step.
+
+        Raises:
+            ValueError: ``working_param`` is not trained by this optimizer.
+        """
+        return full_param_grad(self, working_param)
 
     def _finish_step(self) -> None:
         for master in self.masters:

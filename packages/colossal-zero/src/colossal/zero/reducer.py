@@ -309,6 +309,10 @@ class GradReducer:
                 self._next = 0
 
     # ---- results ---------------------------------------------------------------------------
+    def has_grads(self, bucket: Bucket) -> bool:
+        """Whether a parameter of ``bucket`` got a gradient since the last step."""
+        return bool(self._states[bucket.order].written)
+
     def shard_grad(self, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced (summed, still scaled) gradient slice of ``bucket``."""
         if self.partition_grad:

@@ -193,7 +193,7 @@ def _config(**kwargs: Any) -> HybridConfig:
         ({"pp_size": 2, "num_microbatches": 2, "num_model_chunks": 2}, r"pp_style='1f1b'"),
         ({"pp_size": 2, "num_microbatches": 2, "num_layers_per_stage": (1, 2, 1)},
          r"has 3 entries; give one per stage and chunk \(2 x 1\)"),
-        ({"sequence_parallelism_mode": "all_to_all"}, r"need enable_sequence_parallelism=True"),
+        ({"sp_size": 2}, r"sp_size=2 needs enable_sequence_parallelism=True"),
         ({"enable_sequence_parallelism": True}, r"'split_gather' needs tp_size > 1"),
         ({"enable_sequence_parallelism": True, "sequence_parallelism_mode": "all_to_all"},
          r"'all_to_all' needs sp_size > 1"),

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from colossal.booster.plugin.dataloader import build_dataloader
 from colossal.checkpoint_io.names import group_param_names
-from colossal.core import OptimizerWrapper, ParallelDims, get_accelerator
+from colossal.core import OptimizerWrapper, ParallelDims, ProcessGroupMesh, get_accelerator
 from colossal.lazy import LazyInitContext, is_lazy
 
 if TYPE_CHECKING:
@@ -251,6 +251,22 @@ class DPPluginBase(Plugin):
         self.dp_group = parallel_dims.group("dp")
         self.rank = parallel_dims.coordinate("dp")
         self.world_size = parallel_dims.dp
+
+    @property
+    def pg_mesh(self) -> ProcessGroupMesh:
+        """The :class:`~colossal.core.ProcessGroupMesh` of the plugin's layout.
+
+        ColossalAI's attribute; its axes are named (``pg_mesh.axis_names``).
+
+        Raises:
+            ValueError: The plugin was given a ``dp_group`` (a group is not a mesh).
+        """
+        return self.parallel_dims.build_mesh()
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size (the ranks that see different data)."""
+        return self.world_size
 
     def prepare_dataloader(
         self,

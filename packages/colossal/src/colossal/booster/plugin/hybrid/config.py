@@ -115,11 +115,13 @@ class HybridConfig:
                 f"{SP_MODES}"
             )
         if not self.enable_sequence_parallelism:
-            if mode is not None or (self.sp_size or 1) > 1:
+            if (self.sp_size or 1) > 1:
                 raise ValueError(
-                    f"HybridParallelPlugin: sequence_parallelism_mode={mode!r}, "
-                    f"sp_size={self.sp_size!r} need enable_sequence_parallelism=True"
+                    f"HybridParallelPlugin: sp_size={self.sp_size!r} needs "
+                    "enable_sequence_parallelism=True (and a sequence_parallelism_mode)"
                 )
+            # ColossalAI ignores the mode while sequence parallelism is off: so do we.
+            object.__setattr__(self, "sequence_parallelism_mode", None)
             return
         if mode is None:
             object.__setattr__(self, "sequence_parallelism_mode", "split_gather")

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 from colossal.booster.plugin.base import Boosted, Criterion, DPPluginBase, materialize_model
 from colossal.booster.plugin.fp8 import require_fp8_matmul
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
+from colossal.booster.plugin.hybrid.colossalai_options import check_colossalai_options
 from colossal.booster.plugin.hybrid.config import HybridConfig, ShardOptions, unused_arguments
 from colossal.booster.plugin.hybrid.lora import (
     HybridLoraSource,
@@ -70,7 +71,7 @@ from colossal.zero import LowLevelZeroOptimizer, ZeroConfig
 
 if TYPE_CHECKING:
     from colossal.pipeline import PipelineSchedule, PipelineStageManager
-    from colossal.shardformer import PipelineGradientCheckpointConfig, Policy
+    from colossal.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class HybridParallelPlugin(DPPluginBase):
         enable_sequence_parallelism: Split the sequence (see ``sequence_parallelism_mode``).
         sequence_parallelism_mode: ``"split_gather"`` (default), ``"ring"`` (inside the
             tensor-parallel group), ``"all_to_all"`` or ``"ring_attn"`` (over ``sp_size``).
+            Ignored (as in ColossalAI) while ``enable_sequence_parallelism`` is False.
         enable_sequence_overlap: Shardformer's option (needs sequence parallelism).
         parallel_output: Keep LM logits split over the vocabulary (vocab-parallel loss).
         num_microbatches: Microbatches per batch under a pipeline.
@@ -157,6 +159,25 @@ class HybridParallelPlugin(DPPluginBase):
             point-to-point transfers (they carry activations in the training precision).
         use_fp8: ColossalAI's float8 matmuls: refused (``NotImplementedError`` naming what is
             missing, see :func:`colossal.booster.plugin.fp8.require_fp8_matmul`).
+        overlap_p2p: ColossalAI's asynchronous pipeline transfers: always on here (False is
+            accepted and warns that it has no effect; see :mod:`.colossalai_options`).
+        overlap_allgather: ZeRO's parameter all-gather overlaps the next forward
+            (``LowLevelZeroOptimizer(overlap_allgather=)``; on by default: every read of a
+            parameter waits for its own bucket, so it is safe).
+        scheduler_nodes: ColossalAI's ZB-V node list (``pp_style="zbv"`` only): accepted, but
+            our ZB-V schedule builds its own order (a warning says so).
+        inner_ring_size: The double ring's inner size under ``ring_attn``: must divide
+            ``sp_size``; our ring attention is one ring (the same attention).
+
+    Attributes:
+        pg_mesh: The :class:`~colossal.core.ProcessGroupMesh` the groups come from (named
+            axes ``dp_replicate``, ``dp_shard``, ``pp``, ``sp``, ``tp``); ``dp_axis``,
+            ``pp_axis``, ``tp_axis``, ``sp_axis`` index it (ColossalAI's attributes).
+        dp_group, tp_group, pp_group, sp_group: The groups the plugin trains with
+            (``sp_group`` is the tp group for the modes inside it).
+        zero_group: ZeRO's group (``dp`` x ``sp`` for the sp modes with their own group);
+            ColossalAI's ``mixed_dp_group``.
+        stage_manager: The pipeline's stage manager (None without a pipeline).
 
     Raises:
         ValueError: A size or combination that cannot work, naming the values.
@@ -214,6 +235,10 @@ class HybridParallelPlugin(DPPluginBase):
         tp_depth: int = 1,
         fp8_communication: bool = False,
         use_fp8: bool = False,
+        overlap_p2p: bool = True,
+        overlap_allgather: bool = True,
+        scheduler_nodes: Sequence[object] | None = None,
+        inner_ring_size: int | None = None,
     ) -> None:
         if use_fp8:
             require_fp8_matmul(type(self).__name__)
@@ -284,6 +309,13 @@ class HybridParallelPlugin(DPPluginBase):
             hysteresis=hysteresis, max_scale=max_scale,
         )
         self.verbose = verbose
+        check_colossalai_options(
+            cfg, logger, overlap_p2p=overlap_p2p, overlap_allgather=overlap_allgather,
+            scheduler_nodes=scheduler_nodes, inner_ring_size=inner_ring_size,
+        )
+        self.overlap_p2p = overlap_p2p
+        self.overlap_allgather = overlap_allgather
+        self.inner_ring_size = inner_ring_size
         unused = unused_arguments(
             {"broadcast_buffers": broadcast_buffers, "ddp_bucket_cap_mb": ddp_bucket_cap_mb,
              "find_unused_parameters": find_unused_parameters,
@@ -324,6 +356,83 @@ class HybridParallelPlugin(DPPluginBase):
     def dp_size(self) -> int:
         """Data-parallel size."""
         return self.config.dp_size
+
+    @property
+    def precision(self) -> str:
+        """The training precision (``"fp16"``, ``"bf16"`` or ``"fp32"``)."""
+        return self.config.precision
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage (0, 1 or 2)."""
+        return self.config.zero_stage
+
+    @property
+    def max_norm(self) -> float:
+        """The gradient clipping norm (0: none)."""
+        return self.config.max_norm
+
+    @property
+    def enable_sequence_parallelism(self) -> bool:
+        """Whether the sequence is split."""
+        return self.config.enable_sequence_parallelism
+
+    @property
+    def sequence_parallelism_mode(self) -> str | None:
+        """The sequence-parallel mode (None when the sequence is not split)."""
+        return self.config.sequence_parallelism_mode
+
+    @property
+    def mixed_dp_group(self) -> dist.ProcessGroup:
+        """ColossalAI's name of :attr:`zero_group` (dp x sp for the sp modes with a group)."""
+        return self.zero_group
+
+    def _mesh_axis(self, name: str) -> int | tuple[int, ...]:
+        axes = self.parallel_dims.mesh_axes
+        if name == "dp":  # dp_replicate is 1 here: dp is the dp_shard axis
+            return axes.index("dp_shard")
+        if name == "tp" and "tp" not in axes:  # a grid tp mode: its axes together
+            return tuple(i for i, a in enumerate(axes) if a.startswith("tp_"))
+        return axes.index(name)
+
+    @property
+    def dp_axis(self) -> int | tuple[int, ...]:
+        """Index of the data-parallel axis in :attr:`pg_mesh`."""
+        return self._mesh_axis("dp")
+
+    @property
+    def pp_axis(self) -> int | tuple[int, ...]:
+        """Index of the pipeline axis in :attr:`pg_mesh`."""
+        return self._mesh_axis("pp")
+
+    @property
+    def tp_axis(self) -> int | tuple[int, ...]:
+        """Index of the tensor-parallel axis in :attr:`pg_mesh` (the grid's axes in 2D/3D)."""
+        return self._mesh_axis("tp")
+
+    @property
+    def sp_axis(self) -> int | tuple[int, ...]:
+        """Index of the sequence-parallel axis in :attr:`pg_mesh` (1 rank for the tp modes)."""
+        return self._mesh_axis("sp")
+
+    @property
+    def shard_config(self) -> ShardConfig:
+        """The Shardformer settings :meth:`configure` shards the model with."""
+        from colossal.shardformer import ShardConfig
+
+        cfg = self.config
+        return ShardConfig(
+            tensor_parallel_process_group=self.tp_group,
+            sequence_parallel_process_group=self.sp_group if cfg.sp_group_of_its_own else None,
+            pipeline_stage_manager=self.stage_manager,
+            enable_tensor_parallelism=self.tp_size > 1,
+            enable_sequence_parallelism=cfg.enable_sequence_parallelism,
+            sequence_parallelism_mode=cfg.sequence_parallelism_mode,
+            tensor_parallel_mode=cfg.tensor_parallel_mode,
+            tensor_parallel_depth=cfg.tp_depth,
+            parallel_dims=self.parallel_dims if cfg.grid_tp_mode is not None else None,
+            **self.shard_options.shard_config_kwargs(),
+        )
 
     def _stage_manager(self, dims: ParallelDims) -> PipelineStageManager:
         from colossal.pipeline import PipelineStageManager
@@ -435,24 +544,10 @@ class HybridParallelPlugin(DPPluginBase):
         lr_scheduler: LRScheduler | None = None,
     ) -> Boosted:
         """Shard the model, build the schedule, wrap the optimizer in ``LowLevelZeroOptimizer``."""
-        from colossal.shardformer import ShardConfig
-
         materialize_model(model, optimizer)
         dtype = self.precision_dtype
         model = model.to(device=get_accelerator().get_current_device(), dtype=dtype)
-        cfg = self.config
-        shard_config = ShardConfig(
-            tensor_parallel_process_group=self.tp_group,
-            sequence_parallel_process_group=self.sp_group if cfg.sp_group_of_its_own else None,
-            pipeline_stage_manager=self.stage_manager,
-            enable_tensor_parallelism=self.tp_size > 1,
-            enable_sequence_parallelism=cfg.enable_sequence_parallelism,
-            sequence_parallelism_mode=cfg.sequence_parallelism_mode,
-            tensor_parallel_mode=cfg.tensor_parallel_mode,
-            tensor_parallel_depth=cfg.tp_depth,
-            parallel_dims=self.parallel_dims if cfg.grid_tp_mode is not None else None,
-            **self.shard_options.shard_config_kwargs(),
-        )
+        shard_config = self.shard_config
         inner, peft_model, prefix = peft_parts(model)
         policy = self.custom_policy
         if peft_model is not None:
@@ -469,6 +564,7 @@ class HybridParallelPlugin(DPPluginBase):
             names = first_names(optimizer, module)
             zero = LowLevelZeroOptimizer(
                 optimizer, **dataclasses.asdict(self.zero_config),
+                overlap_allgather=self.overlap_allgather,
                 dp_process_group=self.zero_group,
                 tp_process_group=self.tp_group if self.tp_size > 1 else None,
                 pp_process_group=self.pp_group if self.pp_size > 1 else None,

@@ -211,6 +211,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
                 verbose=self.verbose,
                 tp_process_group=self.tp_group if self.tp_size > 1 else None,
                 pp_process_group=self.pp_group if self.pp_size > 1 else None,
+                overlap_allgather=self.overlap_allgather,
                 **dataclasses.asdict(self.zero_config),
             )
             zero.set_param_names(names)

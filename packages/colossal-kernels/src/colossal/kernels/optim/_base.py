@@ -20,6 +20,16 @@ from colossal.kernels.optim._offload import NVMeOffloadMixin
 AdamFn = Callable[..., None]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The storage a kernel updates: a DTensor's local shard, any other tensor itself.
+
+    FSDP2's parameters, their gradients and the states made like them are DTensors. The
+    kernels take raw pointers and element counts, which the wrapper does not have for its shard.
+    """
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 @dataclass
 class _Entry:
     param: torch.Tensor
@@ -204,11 +214,17 @@ class AdamBase(NVMeOffloadMixin, Optimizer):
                 grad = self._grad_of(p, grads)
                 if grad is None:
                     continue
-                entry = _Entry(p, grad.reshape(-1), self._working.get(p), self.state[p])
-                check_adam_tensors([p], [entry.grad], [entry.copy])
+                entry = _Entry(p, _local(grad).reshape(-1), self._working.get(p), self.state[p])
+                check_adam_tensors([_local(p)], [entry.grad], [entry.copy])
                 if not p.is_contiguous():
                     raise ValueError("Adam kernels need contiguous params; call .contiguous()")
                 if p in self._offload_keys:
+                    if _local(p) is not p:
+                        raise ValueError(
+                            f"NVMe offload of a DTensor parameter (shape {tuple(p.shape)}, "
+                            "e.g. FSDP2's) is not supported; use nvme_offload_fraction=0 "
+                            "with TorchFSDPPlugin, or Gemini / LowLevelZero for NVMe offload"
+                        )
                     offloaded.append((hyper, entry))
                 else:
                     by_device.setdefault(p.device, []).append(entry)
@@ -232,8 +248,9 @@ class AdamBase(NVMeOffloadMixin, Optimizer):
                 num_threads: int | None = None) -> None:
         if entries:
             self._kernel_for(device)(
-                [e.param for e in entries], [e.grad for e in entries],
-                [e.state["exp_avg"] for e in entries], [e.state["exp_avg_sq"] for e in entries],
+                [_local(e.param) for e in entries], [e.grad for e in entries],
+                [_local(e.state["exp_avg"]) for e in entries],
+                [_local(e.state["exp_avg_sq"]) for e in entries],
                 [e.copy for e in entries], [e.state["step"] for e in entries], hyper,
                 num_threads=num_threads,
             )

@@ -50,6 +50,9 @@ BOOSTER_ERA: dict[str, Row] = {
     # colossalai.booster.mixed_precision, served through the booster tree).
     "colossalai.mixed_precision": served("colossal.booster.mixed_precision", issue=None),
     "colossalai.checkpoint_io": served("colossal.checkpoint_io", tree=True, issue=None),
+    "colossalai.checkpoint_io.general_checkpoint_io": served(
+        names={"GeneralCheckpointIO": "colossal.checkpoint_io:GeneralCheckpointIO"},
+    ),
     "colossalai.cluster": served(
         names={
             "DistCoordinator": "colossal.core:DistCoordinator",
@@ -147,7 +150,29 @@ BOOSTER_ERA: dict[str, Row] = {
             "ZeroBubbleVPipeScheduler": "colossal.pipeline:ZeroBubbleVPipeScheduler",
         },
     ),
+    # ZB-V from F/B/W costs: our PipelineGraph fills the order from zero_bubble_v and the
+    # times from the simulator (colossal.pipeline.v_schedule); weight_grad_store is served
+    # through the colossalai.pipeline tree.
+    "colossalai.pipeline.schedule.v_schedule": served("colossal.pipeline.v_schedule"),
+    "colossalai.pipeline.schedule.zero_bubble_pp": served(
+        names={"ZeroBubbleVPipeScheduler": "colossal.pipeline:ZeroBubbleVPipeScheduler"},
+    ),
     "colossalai.shardformer": served("colossal.shardformer", tree=True, issue=None),
+    "colossalai.shardformer.layer": served(
+        "colossal.shardformer.layer",
+        tree=True,
+        names={"LinearWithGradAccum": "colossal.pipeline:LinearWithGradAccum"},
+    ),
+    "colossalai.shardformer.layer._operation": served(
+        names={
+            "LinearWithGradAccum": "colossal.pipeline:LinearWithGradAccum",
+            "linear_with_grad_accum": "colossal.pipeline.weight_grad_store:linear_with_grad_accum",
+        },
+    ),
+    # ColossalAI's distributed-tensor helpers on our marked sharded tensors / torch DTensors
+    # (colossalai.tensor itself is the config-era ColoTensor row).
+    "colossalai.tensor.d_tensor": served("colossal.shardformer.d_tensor"),
+    "colossalai.tensor.d_tensor.api": served("colossal.shardformer.d_tensor"),
     "colossalai.zero.gemini": served(
         "colossal.gemini",
         tree=True,
@@ -156,6 +181,16 @@ BOOSTER_ERA: dict[str, Row] = {
     ),
     "colossalai.zero.low_level": served(
         names={"LowLevelZeroOptimizer": "colossal.zero:LowLevelZeroOptimizer"},
+    ),
+    # fp8 communication is the plugins' fp8_communication=True (ColossalAI's usual way in);
+    # the row is the package's, so colossalai.quantization.fp8 raises this hint too.
+    "colossalai.quantization": missing(
+        "ColossalAI's fp8 helpers (colossalai.quantization.fp8: all_reduce_fp8, "
+        "reduce_scatter_fp8, all_gather_fp8, all_to_all_single_fp8, cast_to_fp8...) and its "
+        "bnb quantization are not served under their names: pass fp8_communication=True to "
+        "the plugin or LowLevelZeroOptimizer, or call colossal.core.comm's fp8_all_reduce / "
+        "fp8_reduce_scatter / fp8_all_gather / fp8_all_to_all / fp8_send / fp8_recv (Fp8Codec "
+        "encodes and decodes)"
     ),
     "colossalai.gemini": served(  # the seeds' old path of the Gemini internals
         "colossal.gemini",

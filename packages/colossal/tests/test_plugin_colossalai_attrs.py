@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hybrid_testlib import MODELS, make_optimizer
 
 from colossal.booster import Booster
-from colossal.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin
+from colossal.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 from colossal.booster.plugin.hybrid import plugin as hybrid_module
 from colossal.core import ProcessGroupMesh
 from colossal.core.testing import distributed_test
@@ -24,7 +24,7 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _along(mesh: ProcessGroupMesh, axis: int | tuple[int, ...]) -> list[int]:
+def _along(mesh: ProcessGroupMesh, axis: int | str | tuple[int | str, ...]) -> list[int]:
     return _ranks(mesh.get_group_along_axis(axis))
 
 
@@ -52,6 +52,13 @@ def test_attributes_are_the_groups_the_plugins_use(rank: int, world_size: int) -
     dp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32")
     assert _ranks(dp.dp_group) == _along(dp.pg_mesh, dp.dp_axis) == [rank % 2, rank % 2 + 2]
     assert dp.dp_size == 2 and dp.stage_manager is None
+
+    gemini = GeminiPlugin(tp_size=2, precision="fp32", enable_async_reduce=False)
+    assert _ranks(gemini.tp_group) == _along(gemini.pg_mesh, "tp") == tp
+    assert _ranks(gemini.zero_group) == _along(gemini.pg_mesh, ("dp_replicate", "dp_shard"))
+    assert gemini.dp_size == 2 and gemini.enable_async_reduce is False
+    with pytest.raises(TypeError, match="enable_async_reduce='yes' must be True or False"):
+        GeminiPlugin(enable_async_reduce="yes")  # type: ignore[arg-type]
 
     zero = LowLevelZeroPlugin(stage=1, precision="fp32")
     assert zero.dp_size == 4 and zero.pg_mesh.size("dp_shard") == 4

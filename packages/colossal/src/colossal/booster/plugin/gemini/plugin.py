@@ -60,6 +60,7 @@ from colossal.core import (
     ParallelDims,
     ScalerConfig,
     get_accelerator,
+    warn_once,
 )
 from colossal.gemini import GeminiDDP, GeminiOptimizer, MemStats
 
@@ -142,6 +143,16 @@ class GeminiPlugin(DPPluginBase):
         fp8_communication: Gather the chunks and reduce their gradients (over the extra dp
             replicas too) as float8 (``GeminiDDP(fp8_communication=True)``), synchronously
             (no prefetch overlap). The tensor-parallel collectives stay uncompressed.
+        enable_async_reduce: ColossalAI's asynchronous gradient reduce-scatter (its default
+            True). GeminiDDP always launches each chunk's reduction asynchronously as soon as
+            its gradients are complete and waits for it before the step, so True is what
+            runs; False is accepted and warns once that it has no effect (the results are
+            the same). Unlike ColossalAI, it does not turn ``pin_memory`` on.
+
+    Attributes:
+        pg_mesh: The mesh the groups come from (``dp_replicate`` x ``dp_shard`` x ``tp``...).
+        zero_group, extra_dp_group, tp_group: The chunks' shard group, its replicas' group
+            (None without ``extra_dp_size``) and the tensor-parallel group (None at tp 1).
 
     Raises:
         ValueError: A value out of range or a layout that cannot work (the message names
@@ -200,6 +211,7 @@ class GeminiPlugin(DPPluginBase):
         max_prefetch: int = 0,
         dp_group: dist.ProcessGroup | None = None,
         fp8_communication: bool = False,
+        enable_async_reduce: bool = True,
     ) -> None:
         shard_options = ShardformerOptions(
             tp_size=tp_size,
@@ -263,6 +275,17 @@ class GeminiPlugin(DPPluginBase):
         self.device_memory_limit = device_memory_limit
         self.verbose = bool(verbose)
         self.fp8_communication = bool(fp8_communication)
+        if not isinstance(enable_async_reduce, bool):
+            raise TypeError(
+                f"GeminiPlugin: enable_async_reduce={enable_async_reduce!r} must be True or False"
+            )
+        if not enable_async_reduce:
+            warn_once(
+                logger,
+                "GeminiPlugin(enable_async_reduce=False) has no effect: GeminiDDP always "
+                "reduces each chunk asynchronously and waits before the step (same results)",
+            )
+        self.enable_async_reduce = enable_async_reduce
         self._check_device()
         warn_if_slow_precision("GeminiPlugin", config.precision)
         if tp_size > 1:

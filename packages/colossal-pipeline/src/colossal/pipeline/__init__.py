@@ -30,9 +30,15 @@ from colossal.pipeline.shared import SharedParamGradSync
 from colossal.pipeline.simulate import ActionCosts, SimulationResult, simulate
 from colossal.pipeline.stage_manager import PipelineStageManager
 from colossal.pipeline.timeline import render_text, save_png
+from colossal.pipeline.v_schedule import PipelineGraph, ScheduledNode
 from colossal.pipeline.validate import ScheduleValidationError, validate_schedule
+from colossal.pipeline.weight_grad_store import LinearWithGradAccum, WeightGradStore
 
 __all__ = [
+    "LinearWithGradAccum",
+    "PipelineGraph",
+    "ScheduledNode",
+    "WeightGradStore",
     "Action",
     "ActionCosts",
     "ActionType",

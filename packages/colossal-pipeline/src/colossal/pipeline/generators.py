@@ -197,7 +197,10 @@ def zero_bubble_v(
                     ready = arrival(i_end[mb, v + 1], layout.locate(v + 1)[0], s)
                     out.append((0, max(ready, f_end[mb, v]), (mb, -v), Action(I, mb, c)))
             mb = next_f[s][c]
-            if mb < M and held[s] < limit:
+            # The V's way down (chunk 0) leaves one activation free for its way up: filled
+            # with chunk-0 forwards (a transfer delay makes them ready first), no stage could
+            # start a chunk-1 forward, so no backward, so no weight backward freeing one.
+            if mb < M and held[s] < limit - (1 if c == 0 and limit > 1 else 0):
                 if v == 0:
                     out.append((1, 0.0, (mb, -v), Action(F, mb, c)))
                 elif (mb, v - 1) in f_end:

@@ -30,6 +30,7 @@ from colossal.pipeline.p2p import PipelineP2P
 from colossal.pipeline.shared import SharedParamGradSync
 from colossal.pipeline.simulate import ActionCosts
 from colossal.pipeline.stage_manager import PipelineStageManager
+from colossal.pipeline.v_schedule import ScheduledNode, nodes_to_ir
 from colossal.pipeline.validate import validate_schedule
 
 logger = logging.getLogger(__name__)
@@ -360,7 +361,10 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
             (uniform by default).
         max_in_flight: Activations (microbatch x chunk) a stage may hold; ``2 x stages`` by
             default (1F1B's memory).
-        **kwargs: See :class:`PipelineSchedule`.
+        schedule: ColossalAI's node lists (``PipelineGraph(...).get_v_schedule()``, see
+            :mod:`colossal.pipeline.v_schedule`): run their order instead of generating one.
+        **kwargs: See :class:`PipelineSchedule` (``num_microbatch``: ColossalAI's name of
+            ``num_microbatches``).
     """
 
     name = "zbv"
@@ -373,8 +377,16 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
         microbatch_size: int | None = None,
         costs: ActionCosts | None = None,
         max_in_flight: int | None = None,
+        schedule: Sequence[Sequence[ScheduledNode]] | None = None,
         **kwargs: Any,
     ) -> None:
+        if "num_microbatch" in kwargs:  # ColossalAI's spelling
+            if num_microbatches is not None:
+                raise ValueError("pass num_microbatches or num_microbatch, not both")
+            num_microbatches = kwargs.pop("num_microbatch")
+        given = None if schedule is None else nodes_to_ir(schedule)
+        if given is not None and num_microbatches is None and microbatch_size is None:
+            num_microbatches = given.num_microbatches
         if num_model_chunks != 2 or not _require_manager(stage_manager).use_zbv:
             raise ValueError(
                 f"ZeroBubbleVPipeScheduler needs num_model_chunks=2 (got {num_model_chunks}) and a "
@@ -383,9 +395,28 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
         super().__init__(stage_manager, num_microbatches, microbatch_size, **kwargs)
         self.costs = costs
         self.max_in_flight = max_in_flight
+        self.schedule = given
+        if self.schedule is not None and self.schedule.num_stages != stage_manager.num_stages:
+            raise ValueError(
+                f"schedule= has {self.schedule.num_stages} stages, the stage manager "
+                f"{stage_manager.num_stages}: build the PipelineGraph with n_stage="
+                f"{stage_manager.num_stages}"
+            )
 
     def generate(self, num_microbatches: int) -> ScheduleIR:
-        """ZB-V IR."""
+        """ZB-V IR: the ``schedule=`` nodes' order when given, else generated from the costs.
+
+        Raises:
+            ValueError: ``schedule=`` was built for another number of microbatches.
+        """
+        if self.schedule is not None:
+            if self.schedule.num_microbatches != num_microbatches:
+                raise ValueError(
+                    f"schedule= was built for {self.schedule.num_microbatches} microbatches, "
+                    f"the step has {num_microbatches}: build the PipelineGraph with "
+                    f"n_micro={num_microbatches}"
+                )
+            return self.schedule
         return zero_bubble_v(
             self.stage_manager.num_stages, num_microbatches, self.costs, self.max_in_flight
         )

@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual alias
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.core import Block, Blocks, shard_parameter
+from colossal.core import Block, Blocks, mark_sharded, shard_parameter, shard_spec
 from colossal.shardformer.layer._primitives import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -105,6 +105,27 @@ def _native_weight(module: nn.Module) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{type(module).__name__}.weight must be a tensor, got {weight!r}")
     return weight
+
+
+def _shard_in_place(
+    native: torch.Tensor, part: Block | Blocks, group: ProcessGroup | None
+) -> nn.Parameter:
+    """``native`` (a module's Parameter) made to hold ``part`` of itself, marked sharded.
+
+    ColossalAI's ``from_native_module`` keeps the native module's Parameter objects (its tests
+    assert ``linear.weight is linear_col.weight``), so an optimizer built on the native
+    module before the swap still updates the layer. A ``meta`` tensor (lazy init) or a plain
+    tensor gets a new parameter instead, as :func:`colossal.core.shard_parameter` makes it.
+    """
+    sharded = shard_parameter(native, part, group)
+    if not isinstance(native, nn.Parameter) or native.is_meta or shard_spec(native) is not None:
+        return sharded
+    spec = shard_spec(sharded)
+    assert spec is not None
+    native.data = sharded.data
+    mark_sharded(native, spec.placements, spec.shape)
+    return native
+
 
 class _ParallelLinear(nn.Module):
     """Shared state of the four layers: group, sizes and the ``weight``/``bias`` parameters.
@@ -195,6 +216,9 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
     ) -> Linear1D_Col:
         """Shard ``module`` (an ``nn.Linear``, or a ``Conv1D`` for the GPT-2 class) by columns.
 
+        The layer keeps ``module``'s own ``weight`` and ``bias`` Parameter objects, now holding
+        this rank's part (ColossalAI's contract; a ``meta`` module gets new parameters).
+
         Args:
             module: The native layer; its ``weight`` may be on ``meta``.
             process_group: The tensor-parallel group (the whole job when None).
@@ -210,7 +234,7 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         in_features, out_features = cls._native_sizes(module)
         tp, rank = group_size(process_group), group_rank(process_group)
         _check_fused(cls.__name__, out_features, n_fused, tp)
-        weight = shard_parameter(
+        weight = _shard_in_place(
             _native_weight(module),
             column_part(tuple(_native_weight(module).shape), cls._out_dim, n_fused, tp, rank),
             process_group,
@@ -218,7 +242,7 @@ class Linear1D_Col(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         bias = None
         native_bias = getattr(module, "bias", None)
         if native_bias is not None:
-            bias = shard_parameter(
+            bias = _shard_in_place(
                 native_bias, column_part((out_features,), 0, n_fused, tp, rank), process_group
             )
         return cls(in_features, out_features, weight, bias, process_group, gather_output, n_fused)
@@ -275,6 +299,9 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
     ) -> Linear1D_Row:
         """Shard ``module`` by input features (rows of ``x``'s last dim).
 
+        The layer keeps ``module``'s own ``weight`` (now this rank's part) and ``bias``
+        (replicated) Parameter objects, as ColossalAI's does.
+
         Args:
             module: The native layer; its ``weight`` may be on ``meta``.
             process_group: The tensor-parallel group (the whole job when None).
@@ -297,7 +324,7 @@ class Linear1D_Row(_ParallelLinear):  # noqa: N801 - ColossalAI's name
         )
         in_dim = 1 - cls._out_dim
         per = in_features // tp
-        weight = shard_parameter(
+        weight = _shard_in_place(
             _native_weight(module),
             Block.along(tuple(_native_weight(module).shape), in_dim, rank * per, (rank + 1) * per),
             process_group,

@@ -86,7 +86,11 @@ def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) 
 
 def _check_refusals() -> None:
     """use_fp8 / FSDP fp8 are refused, naming what is missing (not silently ignored)."""
-    from colossal.booster.plugin import HybridParallelPlugin, TorchFSDPPlugin
+    from colossal.booster.plugin import (
+        HybridParallelPlugin,
+        MoeHybridParallelPlugin,
+        TorchFSDPPlugin,
+    )
 
     with pytest.raises(NotImplementedError, match="compute capability 8.9"):
         HybridParallelPlugin(tp_size=1, pp_size=1, use_fp8=True)
@@ -94,3 +98,7 @@ def _check_refusals() -> None:
         TorchFSDPPlugin(fp8_communication=True)
     plugin = HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, fp8_communication=True)
     assert plugin.zero_config.fp8_communication
+    with pytest.raises(NotImplementedError, match="MoeHybridParallelPlugin.use_fp8=True"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, use_fp8=True)
+    moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, fp8_communication=True)
+    assert moe.zero_config.fp8_communication

@@ -61,7 +61,7 @@ def test_attributes_are_the_groups_the_plugins_use(rank: int, world_size: int) -
         GeminiPlugin(enable_async_reduce="yes")  # type: ignore[arg-type]
 
     zero = LowLevelZeroPlugin(stage=1, precision="fp32")
-    assert zero.dp_size == 4 and zero.pg_mesh.size("dp_shard") == 4
+    assert zero.dp_size == 4 and zero.pg_mesh.size("dp_shard") == 4 and zero.precision == "fp32"
     assert _ranks(zero.pg_mesh.get_group_along_axis("dp_shard")) == [0, 1, 2, 3]
 
 

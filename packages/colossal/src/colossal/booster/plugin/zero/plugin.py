@@ -212,6 +212,11 @@ class LowLevelZeroPlugin(DPPluginBase):
         """The ZeRO stage."""
         return self.config.stage
 
+    @property
+    def precision(self) -> str:
+        """The training precision (``"fp16"``, ``"bf16"`` or ``"fp32"``; ColossalAI's)."""
+        return self.config.precision
+
     def support_no_sync(self) -> bool:
         """Stage 1 only."""
         return self.config.stage == 1

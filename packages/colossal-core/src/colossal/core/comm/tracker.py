@@ -18,6 +18,9 @@ kind                      bytes counted
 ``send`` / ``recv``       the tensor sent or received by this rank
 ``*_object``              the pickled payload of this rank
 ========================  =====================================================
+
+The ``fp8_*`` helpers (:mod:`colossal.core.comm.fp8`) record their kind with the float8
+dtype and the encoded bytes (one per element plus four per scale), one record per call.
 """
 
 from __future__ import annotations

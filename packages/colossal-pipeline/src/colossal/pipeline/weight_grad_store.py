@@ -105,7 +105,7 @@ class LinearWithGradAccum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         input_: torch.Tensor,
         weight: torch.Tensor,
@@ -122,7 +122,7 @@ class LinearWithGradAccum(torch.autograd.Function):
         return out if bias is None else out + bias
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         """Input and bias gradients; the weight's now, or deferred with ``use_zbv``."""

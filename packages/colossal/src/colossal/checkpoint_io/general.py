@@ -86,7 +86,7 @@ class GeneralCheckpointIO(CheckpointIO):
 
     def save_optimizer(  # type: ignore[override]  # ColossalAI's argument order
         self,
-        optimizer: OptimizerWrapper,
+        optimizer: OptimizerWrapper | Optimizer,
         checkpoint: str,
         shard: bool = False,
         gather_dtensor: bool = True,

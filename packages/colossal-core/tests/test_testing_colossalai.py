@@ -15,12 +15,18 @@ from colossal.core.accelerator import CpuAccelerator
 from colossal.core.comm import all_reduce
 from colossal.core.testing import (
     DistributedTestError,
+    DummyDataloader,
+    assert_equal_in_group,
+    assert_hf_output_close,
     check_state_dict_equal,
     clear_cache_before_run,
+    distributed_test,
     parameterize,
     rerun_if_address_is_in_use,
     rerun_on_exception,
+    run_on_environment_flag,
     seed_all,
+    skip_if_not_enough_gpus,
     spawn_with_port,
 )
 
@@ -181,3 +187,46 @@ def test_seed_all_reproduces_every_generator() -> None:
     assert first[:2] == second[:2] and torch.equal(first[2], second[2])
     seed_all(4321)
     assert random.random() != first[0]
+
+
+@distributed_test(2)
+def test_assert_equal_in_group(rank: int, world_size: int) -> None:
+    """Catches: ranks with different tensors accepted (the check would compare only its own)."""
+    assert_equal_in_group(torch.arange(6.0).view(2, 3))
+    with pytest.raises(AssertionError, match="group ranks 0 and 1"):
+        assert_equal_in_group(torch.full((2,), float(rank)))
+
+
+def test_assert_hf_output_close() -> None:
+    """Catches: a differing nested tensor accepted, ignore_keys not skipping, a path that
+    does not name the difference."""
+    out = {"logits": torch.ones(2, 3), "hidden": (torch.zeros(2), torch.ones(2)), "n": 1}
+    same = {"logits": torch.ones(2, 3) + 1e-7, "hidden": (torch.zeros(2), torch.ones(2)), "n": 1}
+    assert_hf_output_close(out, same)
+    other = {**same, "hidden": (torch.zeros(2), torch.ones(2) * 2)}
+    with pytest.raises(AssertionError, match=r"\.hidden\.1"):
+        assert_hf_output_close(out, other)
+    assert_hf_output_close(out, other, ignore_keys=["hidden"])
+    with pytest.raises(AssertionError, match="shape mismatch"):
+        assert_hf_output_close(torch.ones(2), torch.ones(3))
+
+
+def test_dummy_dataloader_skip_and_environment_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a loader of the wrong length or that runs out after one pass, a CPU job
+    skipped by the GPU-count guard, the environment flag read the wrong way round."""
+    counter = iter(range(100))
+    loader = DummyDataloader(lambda: next(counter), length=3)
+    assert len(loader) == 3 and list(loader) == [0, 1, 2] and list(loader) == [3, 4, 5]
+    ran: list[int] = []
+
+    @skip_if_not_enough_gpus(min_gpus=8)
+    def needs_eight() -> None:
+        ran.append(1)
+
+    monkeypatch.setenv("COLOSSAL_ACCELERATOR", "cpu")
+    needs_eight()
+    assert ran == [1]
+    monkeypatch.delenv("MY_SLOW_FLAG", raising=False)
+    assert run_on_environment_flag("my_slow_flag").args[0] is True  # skipped
+    monkeypatch.setenv("MY_SLOW_FLAG", "1")
+    assert run_on_environment_flag("my_slow_flag").args[0] is False

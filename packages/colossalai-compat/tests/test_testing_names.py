@@ -59,3 +59,28 @@ def test_names_are_ours() -> None:
     assert_close_loose(torch.ones(3), torch.ones(3) + 5e-4)
     with pytest.raises(AssertionError):
         assert_close_loose(torch.ones(3), torch.ones(3) + 5e-2)
+
+
+#: ColossalAI's ``colossalai/testing/__init__.py`` ``__all__``.
+COLOSSALAI_TESTING = (
+    "assert_equal", "assert_not_equal", "assert_close", "assert_close_loose",
+    "assert_equal_in_group", "parameterize", "rerun_on_exception", "rerun_if_address_is_in_use",
+    "skip_if_not_enough_gpus", "free_port", "spawn", "clear_cache_before_run",
+    "run_on_environment_flag", "check_state_dict_equal", "assert_hf_output_close",
+    "DummyDataloader",
+)  # fmt: skip
+
+
+def test_every_colossalai_testing_name_imports() -> None:
+    """Catches: a name of ColossalAI's colossalai.testing missing (the test's import fails)."""
+    import importlib
+
+    testing = importlib.import_module("colossalai.testing")
+    missing = [name for name in COLOSSALAI_TESTING if not hasattr(testing, name)]
+    assert missing == []
+    for path, name in (
+        ("colossalai.testing.utils", "DummyDataloader"),
+        ("colossalai.testing.pytest_wrapper", "run_on_environment_flag"),
+        ("colossalai.testing.comparison", "assert_equal_in_group"),
+    ):
+        assert getattr(importlib.import_module(path), name) is getattr(testing, name)

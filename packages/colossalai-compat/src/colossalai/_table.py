@@ -105,8 +105,12 @@ BOOSTER_ERA: dict[str, Row] = {
         names={
             "spawn": "colossal.core.testing:spawn_with_port",
             "free_port": "colossal.core.testing:free_port",
+            "DummyDataloader": "colossal.core.testing:DummyDataloader",
         },
         issue=None,
+    ),
+    "colossalai.testing.pytest_wrapper": served(
+        names={"run_on_environment_flag": "colossal.core.testing:run_on_environment_flag"},
     ),
     "colossalai.testing.comparison": served(
         names={
@@ -115,6 +119,8 @@ BOOSTER_ERA: dict[str, Row] = {
             "assert_equal": "colossal.core.testing:assert_equal",
             "assert_not_equal": "colossal.core.testing:assert_not_equal",
             "check_state_dict_equal": "colossal.core.testing:check_state_dict_equal",
+            "assert_equal_in_group": "colossal.core.testing:assert_equal_in_group",
+            "assert_hf_output_close": "colossal.core.testing:assert_hf_output_close",
         },
     ),
     "colossalai.testing.random": served("colossal.core.testing.seeding", issue=None),

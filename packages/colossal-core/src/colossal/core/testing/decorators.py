@@ -18,10 +18,13 @@ __all__ = [
     "parameterize",
     "rerun_if_address_is_in_use",
     "rerun_on_exception",
+    "run_on_environment_flag",
+    "skip_if_not_enough_gpus",
 ]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_F = TypeVar("_F", bound=Callable[..., object])
 
 #: A line of an error message that says a port was taken (gloo, nccl and the OS spell it so).
 ADDRESS_IN_USE_PATTERN = r".*(Address already in use|address already in use|EADDRINUSE).*"
@@ -157,3 +160,43 @@ def clear_cache_before_run() -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
         return cleared
 
     return decorator
+
+
+def skip_if_not_enough_gpus(min_gpus: int) -> Callable[[Callable[_P, None]], Callable[_P, None]]:
+    """Run the function only where at least ``min_gpus`` CUDA devices are visible.
+
+    ColossalAI's decorator (a silent no-op otherwise). On the CPU accelerator the function
+    always runs: its processes share the host instead of each taking a GPU.
+
+    Raises:
+        ValueError: ``min_gpus`` is not a positive int.
+    """
+    if not isinstance(min_gpus, int) or min_gpus < 1:
+        raise ValueError(f"skip_if_not_enough_gpus: min_gpus must be an int >= 1, got {min_gpus!r}")
+
+    def decorator(func: Callable[_P, None]) -> Callable[_P, None]:
+        @functools.wraps(func)
+        def maybe(*args: _P.args, **kwargs: _P.kwargs) -> None:
+            accelerator = get_accelerator()
+            if accelerator.name == "cpu" or accelerator.device_count() >= min_gpus:
+                func(*args, **kwargs)
+
+        return maybe
+
+    return decorator
+
+
+def run_on_environment_flag(name: str) -> Callable[[_F], _F]:
+    """Skip a pytest test unless the environment variable ``name`` (upper-cased) is ``1``.
+
+    ColossalAI's marker for slow or hardware-specific tests.
+    """
+    import os
+
+    import pytest
+
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"run_on_environment_flag: name must be a variable name, got {name!r}")
+    flag = os.environ.get(name.upper(), "0")
+    marker = pytest.mark.skipif(flag != "1", reason=f"environment variable {name.upper()}={flag}")
+    return marker

@@ -1,4 +1,4 @@
-"""``check_state_dict_equal``: two (nested) state dicts hold the same keys and values."""
+"""Nested comparisons: state dicts (``check_state_dict_equal``) and model outputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from colossal.core.testing.compare import assert_close_loose
 
-__all__ = ["check_state_dict_equal"]
+__all__ = ["assert_hf_output_close", "check_state_dict_equal"]
 
 
 def _tensors(
@@ -77,3 +77,45 @@ def check_state_dict_equal(
         AssertionError: The first difference, with its key path.
     """
     _compare("", d1, d2, ignore_device, ignore_dtype)
+
+
+def assert_hf_output_close(
+    out1: object,
+    out2: object,
+    ignore_keys: Sequence[str] | None = None,
+    track_name: str = "",
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> None:
+    """Fail unless two (Hugging Face) model outputs match (ColossalAI's check).
+
+    Mappings (``ModelOutput`` included) by key, skipping ``ignore_keys``; lists and tuples
+    element by element; tensors with ``atol``/``rtol``; anything else with ``==``.
+
+    Raises:
+        AssertionError: The first difference, named by its path (``.logits``, ``.1``).
+    """
+    ignored = set(ignore_keys or ())
+    if isinstance(out1, Mapping) and isinstance(out2, Mapping):
+        if set(out1) != set(out2):
+            raise AssertionError(f"{track_name}: keys differ: {sorted(out1)} vs {sorted(out2)}")
+        for key in out1:
+            if key not in ignored:
+                assert_hf_output_close(
+                    out1[key], out2[key], ignore_keys, f"{track_name}.{key}", atol, rtol
+                )
+    elif isinstance(out1, (list, tuple)) and isinstance(out2, (list, tuple)):
+        if len(out1) != len(out2):
+            raise AssertionError(f"{track_name}: lengths differ: {len(out1)} vs {len(out2)}")
+        for i, (a, b) in enumerate(zip(out1, out2, strict=True)):
+            assert_hf_output_close(a, b, ignore_keys, f"{track_name}.{i}", atol, rtol)
+    elif isinstance(out1, torch.Tensor) and isinstance(out2, torch.Tensor):
+        if out1.shape != out2.shape:
+            raise AssertionError(
+                f"{track_name}: shape mismatch: {tuple(out1.shape)} vs {tuple(out2.shape)}"
+            )
+        torch.testing.assert_close(
+            out1, out2, atol=atol, rtol=rtol, msg=lambda m: f"{track_name}: {m}"
+        )
+    elif out1 != out2:
+        raise AssertionError(f"{track_name}: value mismatch: {out1!r} vs {out2!r}")

@@ -53,9 +53,19 @@ def _step(
     return model, zero
 
 
-@pytest.mark.parametrize("stage", [1, 2])
 @distributed_test(2)
-def test_param_grad_and_master_maps(rank: int, world_size: int, stage: int) -> None:
+def test_param_grad_maps_and_extra_dp(rank: int, world_size: int) -> None:
+    """Stages 1 and 2, then extra_dp_group, in one pair of processes (one spawn).
+
+    Catches: every bug named in ``_check_maps`` and ``_check_extra_dp``.
+    """
+    torch.set_num_threads(1)
+    for stage in (1, 2):
+        _check_maps(rank, world_size, stage)
+    _check_extra_dp(rank, world_size)
+
+
+def _check_maps(rank: int, world_size: int, stage: int) -> None:
     """get_param_grad equals the plain model's grad; the maps are this rank's master elements.
 
     Catches: a gradient still scaled by the group size or missing the other rank's half,
@@ -63,7 +73,6 @@ def test_param_grad_and_master_maps(rank: int, world_size: int, stage: int) -> N
     would not show in them) or not inverse of each other, padding that does not add up to
     the bucket, a grad reported after the step consumed it.
     """
-    torch.set_num_threads(1)
     grads, stepped = _reference()
     model, zero = _step(rank, world_size, stage)
     for p, want in zip(model.parameters(), grads, strict=True):
@@ -101,14 +110,12 @@ def _start(zero: LowLevelZeroOptimizer, p: torch.Tensor) -> int:
     raise AssertionError("parameter not found")
 
 
-@distributed_test(2)
-def test_extra_dp_group_shards_over_the_product(rank: int, world_size: int) -> None:
+def _check_extra_dp(rank: int, world_size: int) -> None:
     """dp = each rank alone, extra_dp = the job: ZeRO over both ranks, one step as DDP's.
 
     Catches: extra_dp_group ignored (ZeRO over one rank: the gradients are not averaged and
     the weights differ from the reference), groups that are not two axes accepted.
     """
-    torch.set_num_threads(1)
     singles = [dist.new_group([r]) for r in range(world_size)]
     _, stepped = _reference()
     model, zero = _step(

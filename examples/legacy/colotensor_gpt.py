@@ -15,8 +15,9 @@ With dp > 1 each data-parallel rank takes its own batch and the gradients are av
 Data: ``../shared/data/tinyshakespeare.txt`` (relative to the repository) when present, as
 bytes folded into the vocabulary; otherwise random tokens (a message says so). Attention is
 transformers' ``eager`` implementation: CPU flash attention has no DTensor sharding strategy
-(it raises naming the operator); dropout is off: DTensor refuses ``bernoulli_`` on the
-``Partial`` output of the row-split ``mlp.c_proj`` (the error names the op and placements).
+(it raises naming the operator). ``--dropout`` sets GPT-2's dropouts (default 0): the
+modules' outputs are whole over tp where the page's compute specs say so, so every tp rank
+draws the plain model's masks from torch's generator.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class GPTLMModel(nn.Module):
         num_attention_heads: int = 4,
         max_seq_len: int = 16,
         vocab_size: int = 64,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         config = GPT2Config(
@@ -61,9 +63,9 @@ class GPTLMModel(nn.Module):
             vocab_size=vocab_size,
             bos_token_id=0,
             eos_token_id=0,
-            resid_pdrop=0.0,  # dropout on a tp-Partial activation has no DTensor strategy
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
         )
         config._attn_implementation = "eager"
         self.model = GPT2LMHeadModel(config)
@@ -145,6 +147,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--dropout", type=float, default=0.0, help="GPT-2's dropout probabilities")
     args = p.parse_args()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -157,7 +160,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     with ColoInitContext(device=torch.device("cpu")):
-        model = GPTLMModel(max_seq_len=args.seq, vocab_size=args.vocab)
+        model = GPTLMModel(max_seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout)
     tensor_parallelize(model, pg)
     criterion = GPTLMLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -1,7 +1,7 @@
 """The seeds' "Parallelize Your Training like Megatron-LM via ColoTensor" GPT-2 tutorial.
 
 A transformers GPT-2 built inside ``ColoInitContext``, split by the page's parameter loop, is
-trained 3 AdamW steps at tp 2 (world 2) and tp 2 x dp 2 (world 4, each dp rank its half of the
+trained 3 AdamW steps at tp 2 (world 2), tp 2 x dp 2 and tp 4 (world 4; each dp rank its half of the
 batch) against the plain model on the whole batch.
 
 Catches: a boundary that does not turn plain inputs into DTensors (mixed-tensor errors) or
@@ -181,12 +181,19 @@ def test_gpt2_tp2_matches_plain(rank: int, world_size: int) -> None:
 
 
 @distributed_test(4)
-def test_gpt2_tp2_dp2_matches_plain(rank: int, world_size: int) -> None:
-    """tp 2 x dp 2, half the batch per dp rank, attn.c_proj split by rows (Megatron's layout).
+def test_gpt2_world4_matches_plain(rank: int, world_size: int) -> None:
+    """World 4 (one process start): tp 2 x dp 2, then tp 4 x dp 1, 3 AdamW steps each.
 
-    Catches: dp gradients summed, not averaged; a row-split attention projection wrong.
+    tp 2 x dp 2 takes half the batch per dp rank with attn.c_proj split by rows (Megatron's
+    layout); tp 4 keeps the page's specs: 8 of the 32 hidden columns of wte/wpe per rank, and
+    24 of c_attn's 96 fused q/k/v columns (a part straddles the q/k boundary).
+
+    Catches: dp gradients summed, not averaged; a row-split attention projection wrong; a
+    layout that only works for two parts (the fused q/k/v split four ways, embeddings split
+    four ways) giving wrong losses, gradients or parameters.
     """
     _check_tutorial(rank, tp=2, dp=2, attn_proj_row=True)
+    _check_tutorial(rank, tp=4, dp=1)
 
 
 def _check_refusals() -> None:

@@ -12,7 +12,12 @@
   propagation (the Megatron TP1D patterns of the seeds' GPT-2 tutorial follow from DTensor's
   rules for Shard(-1)/Shard(0) weights); an operator without a strategy raises naming it.
 
-Not built yet (issue 34's later part): GeminiDDP composition and checkpoints.
+* :mod:`.output_spec`: ``ComputeSpec.set_output_replicate`` acted on (a TP1D module's output
+  made whole over tp, or left split).
+* :mod:`.state`: :func:`full_state_dict` and plain whole-tensor ``load_state_dict``; Colossal's
+  checkpoint IO saves and loads ColoTensor models through its DTensor adapter.
+* :mod:`.gemini_route`: what the seeds' ``GeminiDDP`` does with a ColoTensor model (takes it at
+  tp 1, refuses it at tp > 1 naming the supported routes).
 """
 
 from colossal.legacy.tensor import distspec
@@ -23,6 +28,7 @@ from colossal.legacy.tensor.distspec import DistPlacementPattern, ReplicaSpec, S
 from colossal.legacy.tensor.init_context import ColoInitContext
 from colossal.legacy.tensor.module_io import attach_colo_io
 from colossal.legacy.tensor.process_group import ProcessGroup
+from colossal.legacy.tensor.state import accept_plain_state, full_state_dict
 from colossal.legacy.tensor.tensor_spec import ColoTensorSpec
 
 __all__ = [
@@ -36,6 +42,8 @@ __all__ = [
     "ProcessGroup",
     "ReplicaSpec",
     "ShardSpec",
+    "accept_plain_state",
     "attach_colo_io",
     "distspec",
+    "full_state_dict",
 ]

@@ -12,6 +12,7 @@ from colossal.legacy.tensor.colo_parameter import ColoParameter
 from colossal.legacy.tensor.distspec import ReplicaSpec, _DistSpec
 from colossal.legacy.tensor.module_io import attach_colo_io
 from colossal.legacy.tensor.process_group import ProcessGroup
+from colossal.legacy.tensor.state import accept_plain_state
 from colossal.legacy.tensor.tensor_spec import ColoTensorSpec
 
 __all__ = ["ColoInitContext"]
@@ -26,7 +27,8 @@ class ColoInitContext:
     replicated over ``default_pg`` (default ``ProcessGroup()``) unless ``default_dist_spec``
     splits them. The modules built inside that are not part of another one built inside (the
     model, a loss) take and return plain tensors (:func:`~.module_io.attach_colo_io`): the
-    operators inside run on DTensor's sharding propagation.
+    operators inside run on DTensor's sharding propagation. Each module built inside takes a
+    plain model's whole tensors in ``load_state_dict`` (:func:`~.state.accept_plain_state`).
 
     Args:
         device: Where the payloads live (default: CPU).
@@ -95,5 +97,6 @@ class ColoInitContext:
                     module._parameters[name] = cast(nn.Parameter, done[id(param)])
         inner = {id(sub) for m in self._created for sub in m.modules() if sub is not m}
         for module in self._created:
+            accept_plain_state(module)  # load_state_dict on any of them takes whole tensors
             if id(module) not in inner:
                 attach_colo_io(module)

@@ -16,6 +16,8 @@ builds that are not inside another):
   is its own batch's and the parameters' gradients are averaged over dp: DTensor sums the
   ranks' ``Partial`` gradients, the boundary scales the outputs' gradients by ``1 / dp``, and
   each gradient is laid out like its parameter once accumulated.
+* A module holding TP1D ColoParameters makes its output whole over tp unless their compute
+  specs say ``set_output_replicate(False)`` (:mod:`.output_spec`).
 * An operator DTensor has no sharding strategy for raises :class:`NotImplementedError` naming
   the operator and its arguments' placements; nothing is replicated silently.
 """
@@ -31,6 +33,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
+
+from colossal.legacy.tensor.output_spec import hook_output_specs
+from colossal.legacy.tensor.state import accept_plain_state
 
 __all__ = ["attach_colo_io", "colo_mesh_of", "to_colo_input", "to_plain_output"]
 
@@ -216,6 +221,7 @@ def _enter(
     if mesh is None:
         return None
     _hook_grads(module)
+    hook_output_specs(module)
     stack.enter_context(_implicit_replication())
     stack.enter_context(_saved_as_replicated(mesh))
     stack.enter_context(_NamingMode())
@@ -244,10 +250,12 @@ def attach_colo_io(module: nn.Module) -> nn.Module:
     """Make ``module`` take plain tensors and return plain tensors (see the module doc).
 
     Installed as forward hooks (so ``deepcopy`` and ``state_dict`` are unaffected); idempotent;
-    returns ``module``. Modules without DTensor parameters run unchanged.
+    returns ``module``. Modules without DTensor parameters run unchanged. ``load_state_dict``
+    also takes a plain model's whole tensors (:func:`~.state.accept_plain_state`).
     """
     if getattr(module, _HOOKED, False):
         return module
+    accept_plain_state(module)
     module.register_forward_pre_hook(_enter, with_kwargs=True)
     module.register_forward_hook(_leave, with_kwargs=True, always_call=True)
     setattr(module, _HOOKED, True)

@@ -20,6 +20,7 @@ from torch import nn
 from colossal.gemini import GeminiDDP as _GeminiDDP
 from colossal.gemini import GeminiOptimizer
 from colossal.kernels import HybridAdam
+from colossal.legacy.tensor.gemini_route import plain_for_gemini
 
 __all__ = ["PLACEMENTS", "GeminiAdamOptimizer", "GeminiDDP", "placement_arguments"]
 
@@ -63,6 +64,10 @@ class GeminiDDP(_GeminiDDP):
         hidden_dim: Chunk-size search step.
         min_chunk_size_mb: Smallest searched chunk size (2**20 elements).
         **kwargs: Any other colossal-gemini ``GeminiDDP`` argument (``precision``...).
+
+    A ColoTensor model (``colossalai.tensor``) is taken at tp degree 1 (its parameters become
+    plain, sharded over the ProcessGroup's dp ranks) and refused naming the supported routes
+    at tp > 1 (:mod:`colossal.legacy.tensor.gemini_route`).
     """
 
     def __init__(
@@ -79,6 +84,10 @@ class GeminiDDP(_GeminiDDP):
         **kwargs: object,
     ) -> None:
         merged = {**placement_arguments(placement_policy), **kwargs}
+        # a ColoTensor model (colossalai.tensor): plain parameters at tp 1, refused at tp > 1
+        dp_group = plain_for_gemini(module)
+        if dp_group is not None:
+            merged.setdefault("process_group", dp_group)
         super().__init__(
             module,
             pin_memory=pin_memory,

@@ -114,6 +114,9 @@ TEST_PRELOAD = (
         "gpt2", "llama", "bert", "vit", "opt", "bloom", "mixtral", "deepseek_v3", "qwen2",
         "qwen3", "qwen3_moe", "mistral")),
     "peft",
+    # colossal-integrations: the trainers (transformers.trainer, accelerate, lightning: seconds
+    # each to import in every rank); only its session installs them, elsewhere they are skipped
+    "colossal.integrations.hf_trainer", "colossal.integrations.lightning_strategy",
 )  # fmt: skip
 # Pytest exit code when it collected no tests.
 PYTEST_NO_TESTS = 5

@@ -127,6 +127,8 @@ LAYERS: dict[str, Layer] = {
     # the seeds' config-era API, a front end above the meta-package ("all of the above" in
     # DESIGN.md, the CLI aside: the two never import each other)
     "legacy": _layer("colossal-legacy", 4, (*_BELOW_META, *_META)),
+    # Trainer integrations (Hugging Face, Lightning): plugins and the Booster, never legacy
+    "integrations": _layer("colossal-integrations", 4, (*_BELOW_META, *_META)),
 }
 
 # Top-level packages outside the `colossal` namespace: import name -> layer. colossalai-compat

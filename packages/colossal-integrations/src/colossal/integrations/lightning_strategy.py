@@ -253,7 +253,9 @@ class ColossalStrategy(DDPStrategy):
         self.booster.save_model(self._boosted, path, shard=True)
         if self._boosted_optimizer is not None:
             self.booster.save_optimizer(self._boosted_optimizer, path, shard=True)
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        # "optimizer_states" stays (empty dicts, see optimizer_state): Lightning reads its
+        # presence as "not weights-only" on resume
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         if self.is_global_zero:
             torch.save(rest, os.path.join(path, STATE_FILE))
         self.barrier("ColossalStrategy.save_checkpoint")

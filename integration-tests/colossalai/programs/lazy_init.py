@@ -3,8 +3,8 @@
 A tiny GPT-2 built under ``LazyInitContext`` allocates no weights; ``materialize(model,
 verbose=True)`` gives exactly the eagerly built weights (same seed); a lazy model moved with
 ``model.to(device)`` before ``boost`` (ColossalAI allows it) is materialized by
-LowLevelZeroPlugin and GeminiPlugin with the eager weights, and trains to the same loss as
-the eager model under the same plugin.
+LowLevelZeroPlugin and GeminiPlugin with the eager weights, and its first loss equals the
+eager model's.
 """
 
 import colossalai
@@ -31,13 +31,18 @@ def build(lazy: bool) -> GPT2LMHeadModel:
         return GPT2LMHeadModel(CONFIG)
 
 
-def train_step(model, plugin) -> tuple:
+def batch() -> dict:
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "labels": ids}
+
+
+def boost_and_step(model, plugin) -> tuple:
     optimizer = HybridAdam(model.parameters(), lr=1e-2)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, _ = booster.boost(model, optimizer)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    loss = model(input_ids=ids, labels=ids).loss
+    # the plugin's wrapper may name its module "module." (as ColossalAI's ModelWrapper does)
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    loss = model(**batch()).loss
     booster.backward(loss, optimizer)
     optimizer.step()
     return state, loss.item()
@@ -51,6 +56,7 @@ def run_dist(rank, world_size, port):
     LazyInitContext.materialize(model, verbose=True)
     check_state_dict_equal(eager.state_dict(), model.state_dict())
 
+    eager_loss = eager(**batch()).loss.item()
     device = get_accelerator().get_current_device()
     for name, make_plugin in [
         ("LowLevelZeroPlugin", lambda: LowLevelZeroPlugin(stage=2, precision="fp32")),
@@ -58,9 +64,8 @@ def run_dist(rank, world_size, port):
     ]:
         lazy_model = build(lazy=True).to(device)
         assert all(p.is_meta for p in lazy_model.parameters()), ".to() materialized early"
-        lazy_state, lazy_loss = train_step(lazy_model, make_plugin())
-        eager_state, eager_loss = train_step(build(lazy=False).to(device), make_plugin())
-        check_state_dict_equal(eager_state, lazy_state)
+        lazy_state, lazy_loss = boost_and_step(lazy_model, make_plugin())
+        check_state_dict_equal(eager.state_dict(), lazy_state)
         assert lazy_loss == eager_loss, f"{name}: {lazy_loss} != {eager_loss}"
         if rank == 0:
             print(f"{name}: lazy model boosted with the eager weights, loss {lazy_loss:.5f}")

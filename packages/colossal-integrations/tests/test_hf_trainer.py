@@ -50,12 +50,11 @@ def _plugins() -> dict[str, tuple[Plugin, int]]:
 def test_plugins_match_ddp_trainer(rank: int, world_size: int, tmp_path: Path) -> None:
     """Every plugin's loss curve, grad norms and eval loss equal the DDP Trainer's.
 
-    Catches: backward not through the booster (Gemini gets no gradients), the optimizer's
-    buffers not zeroed between steps (ZeRO carries gradients over), clipping by a local
-    instead of the global norm, the loss double-scaled or unscaled for accumulation, TP peers
-    reading different batches (dp split over the world) or counted twice in the token
-    normalisation, evaluation of the unboosted module, the scheduler not driving the wrapped
-    optimizer's learning rate.
+    Catches: backward not through the booster (Gemini gets no gradients), clipping skipped
+    or by a local instead of the global norm (loss from step 4, logged norms), the loss
+    double-scaled or unscaled for accumulation, TP peers reading different batches (dp split
+    over the world) or counted twice in the token normalisation, evaluation of the unboosted
+    module, the scheduler not driving the wrapped optimizer's learning rate.
     """
     out = str(tmp_path)
     evaluation = token_data(16, seed=7)

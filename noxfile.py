@@ -66,6 +66,7 @@ OPT_IN = frozenset({"colossalai-compat"})
 # their heavy dependencies only when used).
 MUST_STAY_UNIMPORTED = {
     "colossal": ("colossal.gemini", "colossal.shardformer", "transformers"),
+    "colossal-integrations": ("transformers", "accelerate", "lightning"),
 }
 # The newest_transformers session: transformers unpinned below its next major, and the tests
 # that run Hugging Face models through the shardformer policies. Entries are file globs or

@@ -86,6 +86,7 @@ def restore_logger_levels():
                 handler.close()
 
 
+@pytest.mark.usefixtures("restore_logger_levels")  # get_dist_logger() sets "colossal" to INFO
 def test_get_dist_logger_without_name_is_the_colossal_logger() -> None:
     """Catches: the ColossalAI call ``get_dist_logger()`` failing (name was required)."""
     logger = get_dist_logger()

@@ -14,7 +14,7 @@ from torch import nn
 
 import colossal.checkpoint_io
 import colossal.pipeline
-import colossal.shardformer.d_tensor
+from colossal.shardformer import d_tensor
 
 
 def test_names_are_ours() -> None:
@@ -23,7 +23,7 @@ def test_names_are_ours() -> None:
     assert PipelineGraph is colossal.pipeline.PipelineGraph
     assert WeightGradStore is colossal.pipeline.WeightGradStore
     assert LinearWithGradAccum is colossal.pipeline.LinearWithGradAccum
-    assert is_distributed_tensor is colossal.shardformer.d_tensor.is_distributed_tensor
+    assert is_distributed_tensor is d_tensor.is_distributed_tensor
 
 
 def test_general_checkpoint_io_as_colossalai_tests_use_it() -> None:

@@ -8,6 +8,7 @@ rewritten. Hand-written policies cover GPT-2, BERT, ViT, OPT and Bloom; any mode
 has a ``base_model_tp_plan`` (Llama, Mistral, Qwen2 and many more) gets a derived policy.
 """
 
+from colossal.shardformer import d_tensor
 from colossal.shardformer.__about__ import __version__
 from colossal.shardformer.layer import (
     DropoutForParallelInput,
@@ -54,6 +55,7 @@ __all__ = [
     "VocabParallelLMHead1D",
     "__version__",
     "cross_entropy_1d",
+    "d_tensor",
     "get_autopolicy",
     "split_into_stages",
 ]

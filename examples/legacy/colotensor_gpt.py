@@ -13,11 +13,11 @@ torch's AdamW trains it; rank 0 prints each epoch's mean loss (``NUM_EPOCHS``, d
 
 With dp > 1 each data-parallel rank takes its own batch and the gradients are averaged over dp.
 Data: ``../shared/data/tinyshakespeare.txt`` (relative to the repository) when present, as
-bytes folded into the vocabulary; otherwise random tokens (a message says so). Attention is
-transformers' ``eager`` implementation: CPU flash attention has no DTensor sharding strategy
-(it raises naming the operator). ``--dropout`` sets GPT-2's dropouts (default 0): the
-modules' outputs are whole over tp where the page's compute specs say so, so every tp rank
-draws the plain model's masks from torch's generator.
+bytes folded into the vocabulary; otherwise random tokens (a message says so). ``--attn``
+picks transformers' attention (``eager``, default, or ``sdpa``: colossal.legacy.tensor
+registers a DTensor strategy for CPU flash attention). ``--dropout`` sets GPT-2's dropouts
+(default 0): the modules' outputs are whole over tp where the page's compute specs say so, so
+every tp rank draws the plain model's masks from torch's generator.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class GPTLMModel(nn.Module):
         max_seq_len: int = 16,
         vocab_size: int = 64,
         dropout: float = 0.0,
+        attn: str = "eager",
     ) -> None:
         super().__init__()
         config = GPT2Config(
@@ -67,7 +68,7 @@ class GPTLMModel(nn.Module):
             embd_pdrop=dropout,
             attn_pdrop=dropout,
         )
-        config._attn_implementation = "eager"
+        config._attn_implementation = attn
         self.model = GPT2LMHeadModel(config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -148,6 +149,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--dropout", type=float, default=0.0, help="GPT-2's dropout probabilities")
+    p.add_argument("--attn", choices=["eager", "sdpa"], default="eager", help="attention")
     args = p.parse_args()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -160,7 +162,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     with ColoInitContext(device=torch.device("cpu")):
-        model = GPTLMModel(max_seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout)
+        model = GPTLMModel(
+            max_seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout, attn=args.attn
+        )
     tensor_parallelize(model, pg)
     criterion = GPTLMLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

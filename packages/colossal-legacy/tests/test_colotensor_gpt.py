@@ -196,23 +196,38 @@ def test_gpt2_world4_matches_plain(rank: int, world_size: int) -> None:
     _check_tutorial(rank, tp=4, dp=1)
 
 
+class _Searches(nn.Module):
+    """A linear then ``torch.searchsorted``, which DTensor has no sharding strategy for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.searchsorted(y, y)
+
+
 def _check_refusals() -> None:
-    """CPU flash attention has no DTensor strategy: the error names it and the placements.
+    """An operator without a DTensor strategy: the error names it and the placements.
 
     Also: parameters left on two process groups are refused naming one and the fix.
     Catches: a silent replicate-everything fallback, an error without the operator's name, a
     model on mixed meshes that fails deep inside DTensor (or runs) instead.
     """
     torch.set_num_threads(1)
+    pg = ProcessGroup(tp_degree=2)
     with ColoInitContext(device="cpu"):
-        model = GPTLMModel(_config(attn="sdpa"))
-    _apply_page_specs(model, ProcessGroup(tp_degree=2))
-    ids = torch.zeros(2, SEQ, dtype=torch.long)
+        model = _Searches()
+    for param in model.parameters():
+        assert isinstance(param, ColoParameter)
+        param.set_process_group(pg)
+    model.lin.weight.set_dist_spec(ShardSpec([0], [2]))  # type: ignore[operator]
     with pytest.raises(NotImplementedError) as info:
-        model(ids, torch.ones_like(ids))
+        model(torch.zeros(2, 4))
     text = str(info.value)
-    assert "scaled_dot_product" in text and "placements [(" in text, text
-    assert "Replicate()" in text, text
+    assert "searchsorted" in text and "placements [(" in text, text
+    assert "Shard(dim=1)" in text, text  # the linear's column-split output
 
     with ColoInitContext(device="cpu"):
         mixed = nn.Linear(4, 4)

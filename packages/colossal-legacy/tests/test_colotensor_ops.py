@@ -1,9 +1,10 @@
-"""``set_output_replicate`` acted on, and GPT-2 with dropout, at tp 2 (one world-2 run).
+"""``set_output_replicate``, GPT-2 with dropout and with sdpa attention, at tp 2 (one world 2).
 
 Catches: ``set_output_replicate(False)`` ignored (a column-split output gathered anyway) or the
 default ignored (a split or ``Partial`` output left so), either changing values; dropout on a
 ColoTensor GPT-2 refused (``bernoulli_`` on a ``Partial`` output) or drawing masks that differ
-between the tp ranks or from the plain model under the same seed.
+between the tp ranks or from the plain model under the same seed; transformers' ``sdpa``
+attention refused (no DTensor strategy for CPU flash attention) or wrong with a padding mask.
 """
 
 from __future__ import annotations
@@ -123,6 +124,30 @@ def _check_dropout(pg: ProcessGroup) -> None:
         )
 
 
+def _check_sdpa(pg: ProcessGroup) -> None:
+    """transformers' ``sdpa`` attention (CPU flash attention) with a padding mask: logits and
+    gradients equal the plain model's."""
+    torch.manual_seed(0)
+    with ColoInitContext(device="cpu"):
+        model = GPTLMModel(_config("sdpa"))
+    torch.manual_seed(0)
+    ref = GPTLMModel(_config("sdpa"))
+    _apply_page_specs(model, pg)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: transformers passes a 4-d mask tensor
+    logits = model(ids, mask)
+    _loss(logits, ids).backward()
+    ref_logits = ref(ids, mask)
+    _loss(ref_logits, ids).backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(
+            _whole(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 @distributed_test(2)
 def test_output_replicate_and_dropout(rank: int, world_size: int) -> None:
     """See the module doc."""
@@ -130,3 +155,4 @@ def test_output_replicate_and_dropout(rank: int, world_size: int) -> None:
     pg = ProcessGroup(tp_degree=2)
     _check_output_replicate(pg)
     _check_dropout(pg)
+    _check_sdpa(pg)

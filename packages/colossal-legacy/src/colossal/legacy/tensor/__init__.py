@@ -16,11 +16,12 @@
   made whole over tp, or left split).
 * :mod:`.state`: :func:`full_state_dict` and plain whole-tensor ``load_state_dict``; Colossal's
   checkpoint IO saves and loads ColoTensor models through its DTensor adapter.
+* :mod:`.sdpa`: a DTensor strategy for CPU flash attention (transformers' ``sdpa``).
 * :mod:`.gemini_route`: what the seeds' ``GeminiDDP`` does with a ColoTensor model (takes it at
   tp 1, refuses it at tp > 1 naming the supported routes).
 """
 
-from colossal.legacy.tensor import distspec
+from colossal.legacy.tensor import distspec, sdpa  # noqa: F401 - sdpa registers a strategy
 from colossal.legacy.tensor.colo_parameter import ColoParameter
 from colossal.legacy.tensor.colo_tensor import ColoTensor
 from colossal.legacy.tensor.compute_spec import ComputePattern, ComputeSpec

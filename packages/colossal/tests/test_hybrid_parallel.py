@@ -27,6 +27,7 @@ from hybrid_testlib import MODELS, full, global_batch, make_optimizer, mean_over
 from colossal.booster import Booster
 from colossal.booster.plugin.hybrid.config import HybridConfig
 from colossal.core.testing import distributed_test, relative_error
+from colossal.pipeline import PipelineGraph
 
 STEPS = 3
 TOL = 2e-5
@@ -73,6 +74,8 @@ def _train(
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, make_optimizer(model, kind))
     what = f"{model_name} {precision} x{accumulate} {plugin_kwargs}"
+    if plugin_kwargs.get("scheduler_nodes"):  # the given ZB-V order runs, not a generated one
+        assert getattr(plugin.schedule, "schedule", None) is not None, what
     dp_rank = plugin.parallel_dims.coordinate("dp")
     losses, norms = [], []
     for step in range(STEPS):
@@ -139,6 +142,11 @@ def test_pp2_dp2_interleaved_and_zbv(rank: int, world_size: int) -> None:
            num_model_chunks=2)
     _train("llama", "sgd", tp_size=1, pp_size=2, num_microbatches=2, pp_style="zbv",
            num_model_chunks=2)
+    # ColossalAI's scheduler_nodes: the node list PipelineGraph builds (with transfer costs,
+    # an order of its own) is what runs, and it trains the same model
+    nodes = PipelineGraph(n_stage=2, n_micro=2, c_cost=1.0).get_v_schedule()
+    _train("llama", "sgd", tp_size=1, pp_size=2, num_microbatches=2, pp_style="zbv",
+           num_model_chunks=2, scheduler_nodes=nodes)
 
 
 @distributed_test(4)

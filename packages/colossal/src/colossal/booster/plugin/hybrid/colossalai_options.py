@@ -6,10 +6,9 @@
   False is accepted and warns once: the transfers still overlap (the results are the same).
 * ``overlap_allgather``: ZeRO's parameter all-gather after a step overlaps the next forward;
   passed to ``LowLevelZeroOptimizer(overlap_allgather=)`` (see there).
-* ``scheduler_nodes``: the ZB-V node list ColossalAI builds with ``PipelineGraph``. Our
-  ``ZeroBubbleVPipeScheduler`` builds its own ZB-V order from the stage costs, so a list is
-  accepted with ``pp_style="zbv"`` (warning once that its order is not followed) and refused
-  with the other schedules, which have no use for it.
+* ``scheduler_nodes``: the ZB-V node list ColossalAI builds with ``PipelineGraph``; with
+  ``pp_style="zbv"`` our ``ZeroBubbleVPipeScheduler`` runs its order (``schedule=``), and
+  the other schedules, which have no use for it, refuse it.
 * ``inner_ring_size``: the inner ring of ColossalAI's double-ring attention
   (``sequence_parallelism_mode="ring_attn"``). Our ring attention runs one ring over the
   sequence-parallel group: the same blocks meet, only the links differ, so the attention is
@@ -63,11 +62,6 @@ def check_colossalai_options(
                 f"HybridParallelPlugin: scheduler_nodes is for pp_style='zbv' (got "
                 f"pp_style={config.pp_style!r}); drop it or use pp_style='zbv'"
             )
-        warn_once(
-            logger,
-            "HybridParallelPlugin(scheduler_nodes=...): ZeroBubbleVPipeScheduler builds its "
-            "own ZB-V order from the stage costs; the given node order is not followed",
-        )
     _check_inner_ring(config, inner_ring_size)
 
 

@@ -70,7 +70,7 @@ from colossal.shardformer.policies import lora_policy
 from colossal.zero import LowLevelZeroOptimizer, ZeroConfig
 
 if TYPE_CHECKING:
-    from colossal.pipeline import PipelineSchedule, PipelineStageManager
+    from colossal.pipeline import PipelineSchedule, PipelineStageManager, ScheduledNode
     from colossal.shardformer import PipelineGradientCheckpointConfig, Policy, ShardConfig
 
 logger = logging.getLogger(__name__)
@@ -164,8 +164,9 @@ class HybridParallelPlugin(DPPluginBase):
         overlap_allgather: ZeRO's parameter all-gather overlaps the next forward
             (``LowLevelZeroOptimizer(overlap_allgather=)``; on by default: every read of a
             parameter waits for its own bucket, so it is safe).
-        scheduler_nodes: ColossalAI's ZB-V node list (``pp_style="zbv"`` only): accepted, but
-            our ZB-V schedule builds its own order (a warning says so).
+        scheduler_nodes: ColossalAI's ZB-V node list (``pp_style="zbv"`` only,
+            ``PipelineGraph(...).get_v_schedule()`` of :mod:`colossal.pipeline.v_schedule`):
+            the schedule runs its order instead of generating one.
         inner_ring_size: The double ring's inner size under ``ring_attn``: must divide
             ``sp_size``; our ring attention is one ring (the same attention).
 
@@ -237,7 +238,7 @@ class HybridParallelPlugin(DPPluginBase):
         use_fp8: bool = False,
         overlap_p2p: bool = True,
         overlap_allgather: bool = True,
-        scheduler_nodes: Sequence[object] | None = None,
+        scheduler_nodes: Sequence[Sequence[ScheduledNode]] | None = None,
         inner_ring_size: int | None = None,
     ) -> None:
         if use_fp8:
@@ -315,6 +316,7 @@ class HybridParallelPlugin(DPPluginBase):
         )
         self.overlap_p2p = overlap_p2p
         self.overlap_allgather = overlap_allgather
+        self.scheduler_nodes = scheduler_nodes
         self.inner_ring_size = inner_ring_size
         unused = unused_arguments(
             {"broadcast_buffers": broadcast_buffers, "ddp_bucket_cap_mb": ddp_bucket_cap_mb,
@@ -479,6 +481,7 @@ class HybridParallelPlugin(DPPluginBase):
                 microbatch_size=microbatch_size,
                 enable_metadata_cache=cache,
                 shared_params=shared,
+                schedule=self.scheduler_nodes or None,
             )
         return OneForwardOneBackwardSchedule(
             stage_manager,

@@ -556,11 +556,7 @@ class HybridParallelPlugin(DPPluginBase):
         if peft_model is not None:
             self._check_lora()
             policy = self._lora_policy(inner, policy)
-        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
-        self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
-        if self.stage_manager is not None:
-            self.schedule = self._schedule(self.stage_manager, shared)
-            mark_tied(self.schedule.shared_params.pairs())
+        module = self._shard_stage(inner, optimizer, shard_config, policy, prefix)
         self._sum_partial_grads(module)
         zero = None
         if optimizer is not None:
@@ -579,6 +575,26 @@ class HybridParallelPlugin(DPPluginBase):
         if peft_model is not None:
             wrapped.lora_source = self._lora_source(peft_model, module, prefix)
         return Boosted(wrapped, zero, criterion, dataloader, lr_scheduler)
+
+    def _shard_stage(
+        self,
+        inner: nn.Module,
+        optimizer: Optimizer | None,
+        shard_config: ShardConfig,
+        policy: Policy | None,
+        prefix: str,
+    ) -> nn.Module:
+        """Shardformer's split of ``inner`` and this rank's stage (the optimizer repointed).
+
+        Also records the checkpoint aliases and, under a pipeline, the schedule and its tied
+        weights.
+        """
+        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
+        self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
+        if self.stage_manager is not None:
+            self.schedule = self._schedule(self.stage_manager, shared)
+            mark_tied(self.schedule.shared_params.pairs())
+        return module
 
     @property
     def precision_dtype(self) -> torch.dtype:

@@ -40,12 +40,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import Boosted, Criterion, materialize_model
-from colossal.booster.plugin.hybrid.lora import peft_parts, prefixed_aliases
-from colossal.booster.plugin.hybrid.model import HybridParallelModel, mark_tied
+from colossal.booster.plugin.hybrid.lora import peft_parts
+from colossal.booster.plugin.hybrid.model import HybridParallelModel
 from colossal.booster.plugin.hybrid.plugin import HybridParallelPlugin
 from colossal.booster.plugin.moe_hybrid.checkpoint_io import MoeCheckpointIO
 from colossal.booster.plugin.moe_hybrid.layout import drop_expert_tp_plan, mark_experts_replicated
-from colossal.booster.plugin.sharding import first_names, repoint_by_alias, shard_and_repoint
+from colossal.booster.plugin.sharding import first_names, repoint_by_alias
 from colossal.checkpoint_io import CheckpointIO
 from colossal.core import OptimizerWrapper, get_accelerator, shard_spec, warn_once
 from colossal.core.comm import group_ranks
@@ -242,11 +242,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             drop_expert_tp_plan(inner)
         if lora:
             policy = self._lora_policy(inner, policy)
-        module, shared, aliases = shard_and_repoint(inner, optimizer, shard_config, policy)
-        self._checkpoint_io.set_aliases(prefixed_aliases(aliases, prefix))
-        if self.stage_manager is not None:
-            self.schedule = self._schedule(self.stage_manager, shared)
-            mark_tied(self.schedule.shared_params.pairs())
+        module = self._shard_stage(inner, optimizer, shard_config, policy, prefix)
         if self.tp_size > 1:
             mark_experts_replicated(module, self.tp_group)
         return module

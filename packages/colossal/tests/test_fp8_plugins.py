@@ -41,18 +41,25 @@ def _train(
     return losses, [p.detach().clone() for p in model.parameters()], tracker
 
 
-@pytest.mark.parametrize("plugin", ["ddp", "zero2", "gemini"])
+@pytest.mark.parametrize("plugin", ["ddp", "zero2", "gemini", "fsdp"])
 @distributed_test(2)
 def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) -> None:
     """Catches an fp8 flag that is ignored (bytes unchanged), gradients not averaged or missing
-    a rank, a lost scale (updates off by far more than ``UPDATE_TOL``), and (ddp case) use_fp8
-    or FSDP's fp8_communication accepted silently."""
+    a rank, a lost scale (updates off by far more than ``UPDATE_TOL``), FSDP's collectives left
+    in fp32 (no float8 records), and (ddp case) use_fp8 accepted silently."""
     torch.set_num_threads(1)
-    from colossal.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+    from colossal.booster.plugin import (
+        GeminiPlugin,
+        LowLevelZeroPlugin,
+        TorchDDPPlugin,
+        TorchFSDPPlugin,
+    )
 
     def make(fp8: bool) -> object:
         if plugin == "ddp":
             return TorchDDPPlugin(fp8_communication=fp8)
+        if plugin == "fsdp":
+            return TorchFSDPPlugin(fp8_communication=fp8)
         if plugin == "gemini":
             return GeminiPlugin(
                 precision="fp32", chunk_config_dict={"chunk_size": 128}, fp8_communication=fp8
@@ -75,6 +82,9 @@ def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) 
         assert t32.calls() == 0  # torch DDP's own all-reduce bypasses the tracker
         padded = -(-numel // world_size) * world_size
         assert t8.bytes("all_reduce") == STEPS * (padded + 4 * world_size), t8.table()
+    elif plugin == "fsdp":  # FSDP2's own collectives bypass the tracker; the fp8 ones do not
+        assert t32.calls() == 0
+        assert t8.bytes("all_gather") > 0 and t8.bytes("reduce_scatter") > 0, t8.table()
     else:
         for kind in ("reduce_scatter", "all_gather"):
             assert 4 * t8.bytes(kind) < 1.1 * t32.bytes(kind), (t8.table(), t32.table())
@@ -85,17 +95,11 @@ def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) 
 
 
 def _check_refusals() -> None:
-    """use_fp8 / FSDP fp8 are refused, naming what is missing (not silently ignored)."""
-    from colossal.booster.plugin import (
-        HybridParallelPlugin,
-        MoeHybridParallelPlugin,
-        TorchFSDPPlugin,
-    )
+    """use_fp8 is refused, naming what is missing (not silently ignored)."""
+    from colossal.booster.plugin import HybridParallelPlugin, MoeHybridParallelPlugin
 
     with pytest.raises(NotImplementedError, match="compute capability 8.9"):
         HybridParallelPlugin(tp_size=1, pp_size=1, use_fp8=True)
-    with pytest.raises(NotImplementedError, match="set_custom_reduce_scatter"):
-        TorchFSDPPlugin(fp8_communication=True)
     plugin = HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, fp8_communication=True)
     assert plugin.zero_config.fp8_communication
     with pytest.raises(NotImplementedError, match="MoeHybridParallelPlugin.use_fp8=True"):

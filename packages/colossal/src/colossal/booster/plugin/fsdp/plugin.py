@@ -163,10 +163,11 @@ class TorchFSDPPlugin(DPPluginBase):
             meta-device tensors (it must materialize them).
         sync_module_states: Broadcast parameters and buffers from the group's rank 0 before
             sharding.
-        fp8_communication: ColossalAI's float8 compression of the FSDP collectives: refused
-            when True (``NotImplementedError`` naming what is missing: FSDP2 runs its
-            all-gathers and reduce-scatters inside ``fully_shard``; Colossal has no float8
-            ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` for it).
+        fp8_communication: ColossalAI's float8 compression of the FSDP collectives: every
+            sharded module's parameter all-gather and gradient reduce-scatter carry float8
+            payloads (``fully_shard``'s ``set_custom_all_gather`` /
+            ``set_custom_reduce_scatter``, see :mod:`.fp8_comm`); synchronous, so they no
+            longer overlap compute.
 
     Raises:
         TypeError: An FSDP1 argument has the wrong type.
@@ -198,14 +199,11 @@ class TorchFSDPPlugin(DPPluginBase):
         sync_module_states: bool = False,
         fp8_communication: bool = False,
     ) -> None:
-        if fp8_communication:
-            raise NotImplementedError(
-                "TorchFSDPPlugin(fp8_communication=True): FSDP2 (fully_shard) runs its "
-                "all-gathers and reduce-scatters itself, and Colossal has no float8 "
-                "implementation of FSDP2's set_custom_all_gather / set_custom_reduce_scatter "
-                "hooks; use LowLevelZeroPlugin(fp8_communication=True) (ZeRO-1/2) or "
-                "fp8_communication=False"
+        if not isinstance(fp8_communication, bool):
+            raise TypeError(
+                f"TorchFSDPPlugin: fp8_communication={fp8_communication!r} must be True or False"
             )
+        self.fp8_communication = fp8_communication
         self.fsdp1 = FSDP1Arguments(
             process_group,
             sharding_strategy,
@@ -291,6 +289,10 @@ class TorchFSDPPlugin(DPPluginBase):
         for module in self.fsdp1.wrap_units(model, default_units):
             shard(module)
         shard(model)
+        if self.fp8_communication:
+            from colossal.booster.plugin.fsdp.fp8_comm import use_fp8_collectives
+
+            use_fp8_collectives(model)
         if lazy:
             _materialize_shards(model, recipes, device)
         wrapper = None

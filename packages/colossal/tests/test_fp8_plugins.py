@@ -46,7 +46,7 @@ def _train(
 def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) -> None:
     """Catches an fp8 flag that is ignored (bytes unchanged), gradients not averaged or missing
     a rank, a lost scale (updates off by far more than ``UPDATE_TOL``), FSDP's collectives left
-    in fp32 (no float8 records), and (ddp case) use_fp8 accepted silently."""
+    in fp32 (no float8 records), and (ddp case) a hybrid plugin dropping its fp8 flags."""
     torch.set_num_threads(1)
     from colossal.booster.plugin import (
         GeminiPlugin,
@@ -95,14 +95,12 @@ def test_fp8_communication_tracks_fp32(rank: int, world_size: int, plugin: str) 
 
 
 def _check_refusals() -> None:
-    """use_fp8 is refused, naming what is missing (not silently ignored)."""
+    """The hybrid plugins keep both fp8 flags (test_use_fp8: float8 matmuls and their refusal)."""
     from colossal.booster.plugin import HybridParallelPlugin, MoeHybridParallelPlugin
 
-    with pytest.raises(NotImplementedError, match="compute capability 8.9"):
-        HybridParallelPlugin(tp_size=1, pp_size=1, use_fp8=True)
+    assert HybridParallelPlugin(tp_size=1, pp_size=1, use_fp8=True).use_fp8  # CPU _scaled_mm
     plugin = HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, fp8_communication=True)
     assert plugin.zero_config.fp8_communication
-    with pytest.raises(NotImplementedError, match="MoeHybridParallelPlugin.use_fp8=True"):
-        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, use_fp8=True)
+    assert MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, use_fp8=True).use_fp8
     moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, fp8_communication=True)
     assert moe.zero_config.fp8_communication

@@ -38,6 +38,11 @@ def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(t, (0, cols - c, 0, rows - r))
 
 
+def _unpad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The leading ``rows x cols`` block of ``t``, as a tensor of its own (not a view)."""
+    return t if t.shape == (rows, cols) else t[:rows, :cols].clone()
+
+
 def _up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -56,21 +61,18 @@ class _LinearFp8(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        lead, k = x.shape[:-1], x.shape[-1]
-        n = weight.shape[0]
-        x2 = x.reshape(-1, k)
-        m = x2.shape[0]
+        (m, k), n = x.shape, weight.shape[0]
         mp, kp, np_ = _up(m), _up(k), _up(n)
-        xq, sx = _quantize(_pad2(x2, mp, kp), E4M3)
+        xq, sx = _quantize(_pad2(x, mp, kp), E4M3)
         wq, sw = _quantize(_pad2(weight, np_, kp), E4M3)
-        y = _mm(xq, wq.t(), sx, sw, x.dtype)[:m, :n]
+        y = _unpad(_mm(xq, wq.t(), sx, sw, x.dtype), m, n)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(xq, wq, sx, sw)
         ctx.sizes = (m, k, n)  # type: ignore[attr-defined]
         ctx.dtypes = (x.dtype, weight.dtype)  # type: ignore[attr-defined]
         ctx.has_bias = bias is not None  # type: ignore[attr-defined]
-        return y.reshape(*lead, n)
+        return y
 
     @staticmethod
     def backward(
@@ -79,15 +81,14 @@ class _LinearFp8(torch.autograd.Function):
         xq, wq, sx, sw = ctx.saved_tensors  # type: ignore[attr-defined]
         m, k, n = ctx.sizes  # type: ignore[attr-defined]
         x_dtype, w_dtype = ctx.dtypes  # type: ignore[attr-defined]
-        g2 = grad_out.reshape(m, n)
-        gq, sg = _quantize(_pad2(g2, xq.shape[0], wq.shape[0]), E5M2)
+        gq, sg = _quantize(_pad2(grad_out, xq.shape[0], wq.shape[0]), E5M2)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
-            grad_x = _mm(gq, wq, sg, sw, x_dtype)[:m, :k].reshape(*grad_out.shape[:-1], k)
+            grad_x = _unpad(_mm(gq, wq, sg, sw, x_dtype), m, k)
         if ctx.needs_input_grad[1]:  # type: ignore[attr-defined]
-            grad_w = _mm(gq.t(), xq, sg, sx, torch.float32)[:n, :k].to(w_dtype)
+            grad_w = _unpad(_mm(gq.t(), xq, sg, sx, torch.float32), n, k).to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:  # type: ignore[attr-defined]
-            grad_b = g2.float().sum(0).to(w_dtype)
+            grad_b = grad_out.float().sum(0).to(w_dtype)
         return grad_x, grad_w, grad_b
 
 
@@ -114,5 +115,5 @@ def linear_fp8(
             f"linear_fp8: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain; "
             "weight must be (out_features, in_features) with in_features == x.shape[-1]"
         )
-    out: torch.Tensor = _LinearFp8.apply(x, weight, bias)
-    return out
+    out: torch.Tensor = _LinearFp8.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -42,7 +42,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import Boosted, Criterion, DPPluginBase, materialize_model
-from colossal.booster.plugin.fp8 import require_fp8_matmul
+from colossal.booster.plugin.fp8 import require_fp8_matmul, use_fp8_linears
 from colossal.booster.plugin.hybrid.checkpoint_io import HybridCheckpointIO
 from colossal.booster.plugin.hybrid.colossalai_options import check_colossalai_options
 from colossal.booster.plugin.hybrid.config import HybridConfig, ShardOptions, unused_arguments
@@ -157,8 +157,13 @@ class HybridParallelPlugin(DPPluginBase):
             zero_stage 0 too, through the same buckets). Not compressed: the tensor-parallel
             and sequence-parallel collectives inside the model and the pipeline's
             point-to-point transfers (they carry activations in the training precision).
-        use_fp8: ColossalAI's float8 matmuls: refused (``NotImplementedError`` naming what is
-            missing, see :func:`colossal.booster.plugin.fp8.require_fp8_matmul`).
+        use_fp8: ColossalAI's float8 matmuls: the model's linear layers (``nn.Linear``, GPT-2
+            ``Conv1D``, Shardformer's ``Linear1D_Col``/``Row``) run forward and backward
+            through :func:`colossal.kernels.fp8.linear_fp8` (``torch._scaled_mm``, e4m3
+            operands, e5m2 gradients); the LM head, attention and MoE experts stay
+            unquantized. Refused (``NotImplementedError`` naming what is missing) where
+            ``torch._scaled_mm`` fails on the device
+            (:func:`colossal.booster.plugin.fp8.require_fp8_matmul`).
         overlap_p2p: ColossalAI's asynchronous pipeline transfers: always on here (False is
             accepted and warns that it has no effect; see :mod:`.colossalai_options`).
         overlap_allgather: ZeRO's parameter all-gather overlaps the next forward
@@ -243,6 +248,7 @@ class HybridParallelPlugin(DPPluginBase):
     ) -> None:
         if use_fp8:
             require_fp8_matmul(type(self).__name__)
+        self.use_fp8 = bool(use_fp8)
         if not dist.is_initialized():
             raise RuntimeError(
                 "HybridParallelPlugin needs torch.distributed initialized first: call "
@@ -557,6 +563,8 @@ class HybridParallelPlugin(DPPluginBase):
             self._check_lora()
             policy = self._lora_policy(inner, policy)
         module = self._shard_stage(inner, optimizer, shard_config, policy, prefix)
+        if self.use_fp8:
+            use_fp8_linears(module)
         self._sum_partial_grads(module)
         zero = None
         if optimizer is not None:

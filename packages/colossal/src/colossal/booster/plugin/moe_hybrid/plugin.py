@@ -40,6 +40,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from colossal.booster.plugin.base import Boosted, Criterion, materialize_model
+from colossal.booster.plugin.fp8 import use_fp8_linears
 from colossal.booster.plugin.hybrid.lora import peft_parts
 from colossal.booster.plugin.hybrid.model import HybridParallelModel
 from colossal.booster.plugin.hybrid.plugin import HybridParallelPlugin
@@ -79,8 +80,9 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             ColossalAI's ``overlap_p2p``, ``force_overlap_comm`` (accepted; no effect).
             ``fp8_communication=True`` reduces the dense and expert gradients and gathers
             their ZeRO slices as float8; the experts' token all-to-all (uneven splits, under
-            autograd) is not compressed. ``use_fp8=True`` is refused as by
-            :class:`HybridParallelPlugin`.
+            autograd) is not compressed. ``use_fp8=True`` runs the dense linear layers in
+            float8 as :class:`HybridParallelPlugin` does (refused where the device lacks
+            ``torch._scaled_mm``); the experts' grouped matmuls stay unquantized.
 
     Raises:
         ValueError: ``ep_size`` does not divide dp, or what :class:`HybridParallelPlugin`
@@ -198,6 +200,8 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
             self._checkpoint_io.set_aliases(list(aliases.values()))
         else:
             module = self._shard(inner, optimizer, peft_model is not None, prefix)
+        if self.use_fp8:
+            use_fp8_linears(module)
         zero = None
         if optimizer is not None:
             names = first_names(optimizer, module)

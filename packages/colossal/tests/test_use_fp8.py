@@ -7,7 +7,9 @@ run's losses stay within ``LOSS_TOL`` of the fp32 run's and fall, and its parame
 (SGD: the summed gradients) within ``UPDATE_TOL`` per tensor and ``TOTAL_TOL`` over all. Layers
 left in fp32 (the flag ignored) give bit-equal losses; a weight read in the wrong layout
 breaks the update bounds (measured below); a lost scale (outputs off by ``amax / 448``, 10-100x
-here) the loss bound. The refusal is checked with the probe patched to report a missing piece.
+here) the loss bound. Mixtral under ``MoeHybridParallelPlugin(ep_size=2)`` checks that the
+MoE plugin switches its attention projections and still tracks fp32. The refusal is checked
+with the probe patched to report a missing piece.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ STEPS = 4
 LOSS_TOL = 5e-4
 UPDATE_TOL = 0.25
 TOTAL_TOL = 0.08
+MOE_STEPS = 3
+MOE_LOSS_TOL = 0.01  # Mixtral ep 2, AdamW: measured at most 1.9e-3 relative
 
 
 def _train(use_fp8: bool) -> tuple[list[float], int, dict[str, torch.Tensor]]:
@@ -80,3 +84,42 @@ def test_refused_where_the_probe_fails(plugin: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(fp8, "kernel_fp8_missing", lambda device: missing)
     with pytest.raises(NotImplementedError, match=rf"{plugin}\(use_fp8=True\).*T4"):
         getattr(plugins, plugin)(tp_size=1, pp_size=1, use_fp8=True)
+
+
+def _train_moe(use_fp8: bool, rank: int) -> tuple[list[float], int]:
+    from moe_hybrid_testlib import adamw, batch, mixtral
+    from moe_hybrid_testlib import rows as moe_rows
+
+    from colossal.booster.plugin import MoeHybridParallelPlugin
+
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=2, precision="fp32", use_fp8=use_fp8
+    )
+    model = mixtral()
+    booster = Booster(plugin=plugin)
+    boosted, opt, *_ = booster.boost(model, adamw(model))
+    switched = sum(bool(getattr(m, "_colossal_fp8", False)) for m in boosted.modules())
+    losses = []
+    for step in range(MOE_STEPS):
+        loss = boosted(**moe_rows(batch(step % 2), rank, 2)).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, switched
+
+
+@distributed_test(2)
+def test_mixtral_ep2_fp8_tracks_fp32(rank: int, world_size: int) -> None:
+    """Catches use_fp8 ignored by MoeHybridParallelPlugin (no layer switched, bit-equal losses),
+    and float8 attention projections that break expert-parallel training (loss off the fp32
+    run's by more than MOE_LOSS_TOL, or not falling)."""
+    torch.set_num_threads(1)
+    losses32, none = _train_moe(False, rank)
+    losses8, switched = _train_moe(True, rank)
+    assert none == 0
+    assert switched == 2 * 4, switched  # q, k, v, o per layer (the router is no nn.Linear)
+    assert losses8 != losses32
+    for a, b in zip(losses8, losses32, strict=True):
+        assert abs(a - b) <= MOE_LOSS_TOL * abs(b), (losses8, losses32)
+    assert losses8[2] < losses8[0], losses8

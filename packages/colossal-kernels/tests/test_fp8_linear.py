@@ -45,6 +45,28 @@ def test_probe_on_cpu() -> None:
         fp8_matmul_missing("no-such-device")
 
 
+def test_probe_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a probe that passes without torch._scaled_mm, hides a failing call's reason, or
+    answers for one device with another's cached result."""
+    from colossal.kernels.fp8 import probe
+
+    probe._probe.cache_clear()
+    monkeypatch.delattr(torch, "_scaled_mm")
+    assert "has no torch._scaled_mm" in str(fp8_matmul_missing("cpu"))
+    probe._probe.cache_clear()
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("float8 kernels need sm89\nmore detail")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken, raising=False)
+    assert fp8_matmul_missing("cpu") == "torch._scaled_mm fails on cpu: float8 kernels need sm89"
+    probe._probe.cache_clear()
+    monkeypatch.undo()
+    assert fp8_matmul_missing("cpu") is None
+    if not torch.cuda.is_available():
+        assert "not available" in str(fp8_matmul_missing("cuda:0"))
+
+
 @pytest.mark.parametrize("shape", [(32, 64, 48), (7, 40, 24)])  # aligned; padded to 16
 def test_forward_within_bound(shape: tuple[int, int, int]) -> None:
     """Catches a missing or inverted scale, a transposed weight, padding that leaks into the

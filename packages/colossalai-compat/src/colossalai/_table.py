@@ -196,7 +196,8 @@ BOOSTER_ERA: dict[str, Row] = {
         "bnb quantization are not served under their names: pass fp8_communication=True to "
         "the plugin or LowLevelZeroOptimizer, or call colossal.core.comm's fp8_all_reduce / "
         "fp8_reduce_scatter / fp8_all_gather / fp8_all_to_all / fp8_send / fp8_recv (Fp8Codec "
-        "encodes and decodes)"
+        "encodes and decodes); linear_fp8 is colossal.kernels.fp8.linear_fp8 (what the hybrid "
+        "plugins' use_fp8=True runs)"
     ),
     "colossalai.gemini": served(  # the seeds' old path of the Gemini internals
         "colossal.gemini",

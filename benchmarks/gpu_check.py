@@ -10,6 +10,10 @@ worth reading:
   forward and backward in bf16 (fp32 on CPU); check: largest output difference;
 - ``attention``: colossal-kernels' ``attention(..., "causal")`` against
   ``F.scaled_dot_product_attention(is_causal=True)``; check: largest output difference;
+- ``fp8_linear``: colossal-kernels' ``linear_fp8`` (``torch._scaled_mm``, e4m3 forward and
+  e5m2 gradients: what ``use_fp8=True`` runs) against a bf16 ``F.linear`` (fp32 on CPU),
+  forward and backward; check: the output's largest error relative to its largest value
+  (float8 rounding: a few percent);
 - ``llama_step``: a Llama training step (forward, backward, AdamW) of the same model and
   batch, as a plain eager loop, the same loop under ``torch.compile``, and through the
   Booster (``HybridParallelPlugin`` at world 1 with bf16, fused norms and colossal-kernels'
@@ -171,6 +175,26 @@ def attention_row(device: torch.device, sizes: Sizes, warmup: int, reps: int) ->
                diff, "max abs output difference")
 
 
+def fp8_linear_row(device: torch.device, sizes: Sizes, warmup: int, reps: int) -> Row:
+    """``linear_fp8`` against the half-precision linear it replaces, forward and backward."""
+    from colossal.kernels.fp8 import fp8_matmul_missing, linear_fp8
+
+    missing = fp8_matmul_missing(device)
+    if missing is not None:
+        raise RuntimeError(f"fp8_linear: {missing}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    h = sizes.hidden
+    x = torch.randn(sizes.norm_rows, h, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(4 * h, h, device=device, dtype=dtype)
+    dy = torch.randn(sizes.norm_rows, 4 * h, device=device, dtype=dtype)
+    ref = F.linear(x, w).float()
+    err = ((linear_fp8(x, w).float() - ref).abs().max() / ref.abs().max()).item()
+    return Row("fp8_linear", "linear_fp8", "F.linear",
+               timed(_fwd_bwd(lambda t: linear_fp8(t, w), x, dy), device, warmup, reps),
+               timed(_fwd_bwd(lambda t: F.linear(t, w), x, dy), device, warmup, reps),
+               err, "max abs output error / max abs output")
+
+
 def _llama(sizes: Sizes, tiny: bool) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -272,13 +296,15 @@ def run(device: torch.device, sizes: Sizes, warmup: int, reps: int, tiny: bool,
         rows.extend(norm_rows(device, sizes, warmup, reps))
     if "attention" in sections:
         rows.append(attention_row(device, sizes, warmup, reps))
+    if "fp8" in sections:
+        rows.append(fp8_linear_row(device, sizes, warmup, reps))
     if "llama" in sections:
         _launch_single(device)
         rows.extend(llama_rows(device, sizes, warmup, reps, tiny, with_compile))
     return rows
 
 
-SECTIONS = ["adam", "norms", "attention", "llama"]
+SECTIONS = ["adam", "norms", "attention", "fp8", "llama"]
 COLUMNS = ["section", "ours", "peer", "ours_ms", "peer_ms", "ratio", "diff", "check"]
 
 

@@ -47,8 +47,8 @@ def test_measurements_compare_like_with_like(tmp_path: Path) -> None:
 
     Catches: a kernel timed against a different operation (a norm without its weight, attention
     without the causal mask, Adam without weight decay, a float8 linear reading its weight in
-    the wrong layout: differences of order 1e-1 and more), a Booster step whose model or batch differs from the plain loop's (another loss), and a
-    ratio taken the wrong way round.
+    the wrong layout: differences of order 1e-1 and more), a Booster step whose model or batch
+    differs from the plain loop's (another loss), and a ratio taken the wrong way round.
     """
     rows = _measure(tmp_path, "adam", "norms", "attention", "fp8", "llama")
     assert [r["section"] for r in rows] == ["adam", "rms_norm", "layer_norm", "attention",

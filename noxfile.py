@@ -423,7 +423,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def layering(session: nox.Session) -> None:
-    """The import layering check (DESIGN.md table), the ``Any`` count and the tools' tests."""
+    """The import layering check (DESIGN.md table), the ``Any`` count, the migration page's
+    currency and the tools' tests."""
     _session_env(session)
     _install(session, "-c", str(DEV_REQUIREMENTS), "pytest")
     session.run("python", str(REPO / "tools" / "check_layering.py"), "--root", str(REPO))
@@ -435,6 +436,8 @@ def layering(session: nox.Session) -> None:
         "--max",
         str(MAX_PUBLIC_ANY),
     )
+    # the migration page is generated from the compat name table: it must be current
+    session.run("python", str(REPO / "tools" / "compat_table.py"), "--check")
     _run_pytest(session, REPO / "tools" / "tests", "layering")
 
 

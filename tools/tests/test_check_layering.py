@@ -486,12 +486,14 @@ def test_table_matches_design() -> None:
     # legacy: above the meta-package ("all of the above", the CLI aside)
     meta = {"booster", "checkpoint_io", "lazy", "nn"}
     assert layers["legacy"].dist == "colossal-legacy"
-    assert layers["legacy"].allowed == set(layers) - {"legacy", "cli"}
+    assert layers["legacy"].allowed == set(layers) - {"legacy", "cli", "integrations"}
     assert layers["legacy"].level > max(layers[p].level for p in meta)
     # colossalai-compat: the top-level `colossalai`, above legacy
     compat = checker.TOP_LEVEL["colossalai"]
     assert compat.dist == "colossalai-compat"
-    assert compat.allowed == set(layers) - {"cli"}
+    assert compat.allowed == set(layers) - {"cli", "integrations"}
+    # colossal-integrations (trainers): the meta-package and below, never legacy or the CLI
+    assert layers["integrations"].allowed == set(layers) - {"legacy", "cli", "integrations"}
     assert compat.level > layers["legacy"].level
     every = {**layers, **checker.TOP_LEVEL}
     for name, layer in every.items():
